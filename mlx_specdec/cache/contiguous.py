@@ -1,0 +1,113 @@
+"""Contiguous KV cache with rollback: the cache every speculative method verifies against.
+
+The cache interface the forward pass needs is small and duck-typed (as in mlx-lm):
+a model-level object with `.layers` (one per transformer block, each with
+`update_and_fetch(keys, values) -> (keys, values)`) and `.offset` (the next position).
+
+Speculation appends drafted tokens, verifies them, and must then forget the rejected ones:
+`trim(n)` drops the last n tokens, `rollback_to(offset)` returns to a saved length, and
+`keep_appended(start, kept)` compacts a verified token tree down to its accepted path.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+GROW_STEP = 256  # grow buffers in steps, as mlx-lm does, so appends rarely reallocate
+
+
+class ContiguousLayerCache:
+    def __init__(self):
+        self.keys: mx.array | None = None  # (B, Hkv, capacity, Dh)
+        self.values: mx.array | None = None
+        self.offset = 0
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        start, n = self.offset, keys.shape[2]
+        if self.keys is None or start + n > self.capacity:
+            self._grow(keys, values, start + n)
+        self.keys[..., start : start + n, :] = keys
+        self.values[..., start : start + n, :] = values
+        self.offset = start + n
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    def _grow(self, keys: mx.array, values: mx.array, needed: int):
+        B, H, _, Dk = keys.shape
+        Dv = values.shape[3]
+        new_capacity = ((needed + GROW_STEP - 1) // GROW_STEP) * GROW_STEP
+        new_keys = mx.zeros((B, H, new_capacity, Dk), keys.dtype)
+        new_values = mx.zeros((B, H, new_capacity, Dv), values.dtype)
+        if self.keys is not None and self.offset > 0:
+            new_keys[..., : self.offset, :] = self.keys[..., : self.offset, :]
+            new_values[..., : self.offset, :] = self.values[..., : self.offset, :]
+        self.keys, self.values = new_keys, new_values
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    def keep_appended(self, start: int, kept: mx.array):
+        """Keep only the appended tokens at start + kept (ascending), packed from `start` on."""
+        k = kept.shape[0]
+        index = kept + start
+        self.keys[..., start : start + k, :] = self.keys[..., index, :]
+        self.values[..., start : start + k, :] = self.values[..., index, :]
+        self.offset = start + k
+
+    @property
+    def state(self):
+        if self.keys is None:
+            return []
+        return [self.keys[..., : self.offset, :], self.values[..., : self.offset, :]]
+
+
+class ContiguousKVCache:
+    """Model-level cache: one `ContiguousLayerCache` per transformer block."""
+
+    def __init__(self, num_layers: int):
+        self.layers = [ContiguousLayerCache() for _ in range(num_layers)]
+
+    @classmethod
+    def for_model(cls, model: nn.Module) -> "ContiguousKVCache":
+        return cls(len(model.model.layers))
+
+    @property
+    def offset(self) -> int:
+        return self.layers[0].offset
+
+    def trim(self, n: int) -> int:
+        """Forget the last n tokens; returns how many were dropped."""
+        dropped = 0
+        for layer in self.layers:
+            dropped = layer.trim(n)
+        return dropped
+
+    def rollback_to(self, offset: int) -> None:
+        if offset > self.offset:
+            raise ValueError(f"cannot roll forward from {self.offset} to {offset}")
+        self.trim(self.offset - offset)
+
+    def keep_appended(self, start: int, kept: Sequence[int] | mx.array) -> None:
+        """After verifying tokens appended at start.., keep only `kept` (relative, ascending).
+
+        Used to commit the accepted path of a verified token tree: the accepted tokens' keys and
+        values were computed at their true positions, so moving them down is exact.
+        """
+        kept = mx.array(kept, dtype=mx.int32) if not isinstance(kept, mx.array) else kept
+        for layer in self.layers:
+            layer.keep_appended(start, kept)
+
+    @property
+    def state(self):
+        return [array for layer in self.layers for array in layer.state]
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.state)

@@ -1,0 +1,130 @@
+"""Forkable KV cache: threads that share a prefix without copying it (APAR).
+
+All threads' keys and values live in one slot pool per layer, (1, Hkv, capacity, Dh). A thread
+is the list of slots on its path to the root; forking copies that list of slot ids, never the
+keys and values behind them. Each slot counts the live threads whose path holds it; when a
+thread is freed, slots no live thread needs go back to the free list and are reused by the next
+tokens, so a finished thread's memory is released at once.
+
+One decoding step can carry tokens of many threads: `begin_step(thread_ids)` allocates a slot
+per new token and returns each token's position (its depth on its own path) and the mask that
+lets it see exactly its path to the root (plus itself), which `forward` then uses.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+GROW_STEP = 256
+
+
+class _PoolLayerCache:
+    def __init__(self, owner: "ForkableKVCache"):
+        self.owner = owner
+        self.keys: mx.array | None = None  # (1, Hkv, capacity, Dh)
+        self.values: mx.array | None = None
+
+    @property
+    def offset(self) -> int:
+        raise TypeError("ForkableKVCache has no single offset: pass explicit positions")
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        slots = self.owner._step_slots
+        capacity = self.owner.capacity
+        if self.keys is None or self.keys.shape[2] < capacity:
+            self._grow(keys, values, capacity)
+        index = mx.array(slots, dtype=mx.int32)
+        self.keys[..., index, :] = keys
+        self.values[..., index, :] = values
+        used = self.owner.high_water
+        return self.keys[..., :used, :], self.values[..., :used, :]
+
+    def _grow(self, keys, values, capacity):
+        B, H, _, Dk = keys.shape
+        new_keys = mx.zeros((B, H, capacity, Dk), keys.dtype)
+        new_values = mx.zeros((B, H, capacity, values.shape[3]), values.dtype)
+        if self.keys is not None:
+            old = self.keys.shape[2]
+            new_keys[..., :old, :] = self.keys
+            new_values[..., :old, :] = self.values
+        self.keys, self.values = new_keys, new_values
+
+
+class ForkableKVCache:
+    def __init__(self, num_layers: int):
+        self.layers = [_PoolLayerCache(self) for _ in range(num_layers)]
+        self.paths: Dict[int, List[int]] = {}  # thread id -> slots on its path to the root
+        self.refcount: List[int] = []  # per slot: live threads whose path holds it
+        self.free_slots: List[int] = []  # released slots, reused before the pool grows
+        self.capacity = 0
+        self.high_water = 0  # slots [0, high_water) have ever been used
+        self._step_slots: List[int] = []
+
+    @classmethod
+    def for_model(cls, model: nn.Module) -> "ForkableKVCache":
+        return cls(len(model.model.layers))
+
+    # -- threads -------------------------------------------------------------------------
+    def new_thread(self, thread_id: int) -> None:
+        if thread_id in self.paths:
+            raise ValueError(f"thread {thread_id} exists")
+        self.paths[thread_id] = []
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child shares the parent's whole current path (slot ids only, no KV copy)."""
+        if child_id in self.paths:
+            raise ValueError(f"thread {child_id} exists")
+        path = list(self.paths[parent_id])
+        for slot in path:
+            self.refcount[slot] += 1
+        self.paths[child_id] = path
+
+    def free_thread(self, thread_id: int) -> None:
+        """Release a finished thread: slots no other live thread sees become reusable."""
+        for slot in self.paths.pop(thread_id):
+            self.refcount[slot] -= 1
+            if self.refcount[slot] == 0:
+                self.free_slots.append(slot)
+
+    def length(self, thread_id: int) -> int:
+        return len(self.paths[thread_id])
+
+    @property
+    def live_slots(self) -> int:
+        """Slots holding KV some live thread can see (memory actually in use)."""
+        return self.high_water - len(self.free_slots)
+
+    # -- one decoding step -----------------------------------------------------------------
+    def begin_step(self, thread_ids: Sequence[int]):
+        """Allocate one slot per new token; tokens of a thread are in order.
+
+        Returns positions (1, L) and a boolean mask (1, 1, L, high_water) for `forward`.
+        """
+        slots, positions = [], []
+        for tid in thread_ids:
+            slot = self._allocate()
+            positions.append(len(self.paths[tid]))
+            self.paths[tid].append(slot)
+            self.refcount[slot] += 1
+            slots.append(slot)
+        self._step_slots = slots
+        mask = np.zeros((len(thread_ids), self.high_water), dtype=bool)
+        for row, (tid, slot) in enumerate(zip(thread_ids, slots)):
+            path = self.paths[tid]
+            visible = path[: path.index(slot) + 1]  # its path up to and including itself
+            mask[row, visible] = True
+        return mx.array(positions, dtype=mx.int32)[None], mx.array(mask)[None, None]
+
+    def _allocate(self) -> int:
+        if self.free_slots:
+            return self.free_slots.pop()
+        slot = self.high_water
+        self.high_water += 1
+        self.refcount.append(0)
+        if self.high_water > self.capacity:
+            self.capacity = ((self.high_water + GROW_STEP - 1) // GROW_STEP) * GROW_STEP
+        return slot

@@ -1,0 +1,13 @@
+"""Decoding strategies, one module per method, all yielding the same `Step`s."""
+
+from .autoregressive import autoregressive
+from .base import Event, GenerationParams, GenerationStats, Step, stream_events
+from .mlx_lm_baseline import mlx_lm_baseline
+
+#: method name -> strategy generator function. `ar` is plain decoding; `mlx-lm` the peer baseline.
+STRATEGIES = {
+    "ar": autoregressive,
+    "mlx-lm": mlx_lm_baseline,
+}
+
+__all__ = ["STRATEGIES", "Event", "GenerationParams", "GenerationStats", "Step", "stream_events"]

@@ -1,0 +1,42 @@
+"""Plain autoregressive decoding: the baseline every method must match token for token.
+
+One forward per token; the next step's graph is queued with `mx.async_eval` before the host
+reads the current token, so the one host sync per token overlaps with the next forward
+(the same pipelining as `mlx_lm.generate_step`).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import mlx.core as mx
+
+from ..model.forward import forward
+from .base import DecodeContext, Step, new_contiguous_cache, prefill
+
+
+def autoregressive(ctx: DecodeContext) -> Iterator[Step]:
+    model, sampler = ctx.lm.model, ctx.sampler
+    cache = new_contiguous_cache(ctx)
+    prefill(ctx, cache, ctx.prompt[:-1])
+
+    def next_token(token: mx.array) -> mx.array:  # token: (1,) -> (1,)
+        logits = forward(model, token[None], cache, logits_for="last").logits[:, -1, :]  # (1, V)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        return sampler(logprobs)
+
+    eos = ctx.lm.eos_token_ids
+    token = next_token(mx.array(ctx.prompt[-1:]))
+    mx.async_eval(token)
+    try:
+        while True:
+            following = next_token(token)
+            mx.async_eval(following)
+            value = token.item()  # host sync (one per token), overlapped with `following`
+            yield Step([value])
+            ctx.stats.forward_passes += 1
+            if value in eos:
+                return
+            token = following
+    finally:
+        mx.eval(cache.state)  # settle the queued step; the cache is discarded with the stream

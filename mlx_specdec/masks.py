@@ -1,0 +1,56 @@
+"""Attention masks and positions: the one place this math lives.
+
+All masks here are boolean, True = may attend, shaped to broadcast against
+(B, heads, queries, keys) in `mx.fast.scaled_dot_product_attention`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+
+def causal_mask(num_queries: int, offset: int) -> mx.array:
+    """(L, offset + L): query i (at position offset + i) sees keys 0 .. offset + i."""
+    query_pos = np.arange(offset, offset + num_queries)[:, None]
+    key_pos = np.arange(offset + num_queries)[None, :]
+    return mx.array(key_pos <= query_pos)
+
+
+def tree_mask_np(parents: Sequence[int]) -> np.ndarray:
+    """(N, N) ancestor-or-self mask of a token tree in topological order.
+
+    parents[i] is the index of token i's parent inside the tree (-1 for a root, which hangs off
+    the cached prefix). Row i is True at i and at every ancestor of i.
+    """
+    n = len(parents)
+    mask = np.zeros((n, n), dtype=bool)
+    for i, p in enumerate(parents):
+        if p >= i:
+            raise ValueError(f"tree is not in topological order: parent {p} of token {i}")
+        if p >= 0:
+            mask[i] = mask[p]
+        mask[i, i] = True
+    return mask
+
+
+def tree_depths_np(parents: Sequence[int]) -> np.ndarray:
+    """Depth of each tree token (roots at 0): the offset of its position past the prefix."""
+    depth = np.zeros(len(parents), dtype=np.int32)
+    for i, p in enumerate(parents):
+        depth[i] = depth[p] + 1 if p >= 0 else 0
+    return depth
+
+
+def prefix_tree_mask(parents: Sequence[int], prefix_len: int) -> mx.array:
+    """(N, prefix_len + N): every tree token sees the whole cached prefix and its own path."""
+    tree = tree_mask_np(parents)
+    prefix = np.ones((len(parents), prefix_len), dtype=bool)
+    return mx.array(np.concatenate([prefix, tree], axis=1))
+
+
+def tree_positions(parents: Sequence[int], prefix_len: int) -> mx.array:
+    """(1, N) absolute positions: a token at depth d sits at prefix_len + d."""
+    return mx.array(tree_depths_np(parents) + prefix_len)[None]

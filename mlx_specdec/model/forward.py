@@ -1,0 +1,106 @@
+"""One forward pass over an mlx-lm Llama-family model, with explicit positions and masks.
+
+mlx-lm's Llama attention rotates queries and keys by a scalar `cache.offset`, which cannot
+verify a token tree: two tokens at the same depth of different branches need the same position.
+`forward` walks the model's own modules (so float16/bfloat16/float32 and mlx-lm's quantized
+layers all work unchanged) and takes per-token `positions` and an explicit attention `mask`.
+
+With `positions=None` and `mask=None` it does exactly what mlx-lm does (scalar RoPE offset,
+"causal" mask for more than one query), so plain decoding matches `mlx_lm.generate` bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+
+Mask = Union[None, str, mx.array]
+
+
+@dataclass
+class ForwardOutput:
+    hidden: mx.array  # (B, L, D) final-norm hidden states: the input of the vocabulary projection
+    logits: Optional[mx.array]  # (B, L', V) for the requested positions, or None
+
+
+def rope_at(rope: nn.Module, x: mx.array, positions: mx.array) -> mx.array:
+    """Rotate x (B, H, L, D) so token l of row b sits at positions[b, l].
+
+    `mx.fast.rope` takes one offset per batch row, so every token becomes its own row of
+    length 1. This reuses the model's own RoPE module (plain, Llama-3, YaRN, ...) and gives
+    bit-identical results to rotating a contiguous sequence.
+    """
+    B, H, L, D = x.shape
+    per_token = x.transpose(0, 2, 1, 3).reshape(B * L, H, 1, D)  # (B*L, H, 1, D)
+    rotated = rope(per_token, offset=positions.reshape(-1).astype(mx.int32))
+    return rotated.reshape(B, L, H, D).transpose(0, 2, 1, 3)  # (B, H, L, D)
+
+
+def attention(attn: nn.Module, x: mx.array, positions: Optional[mx.array], cache: Any, mask: Mask):
+    B, L, _ = x.shape
+    queries = attn.q_proj(x).reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)  # (B, Hq, L, Dh)
+    keys = attn.k_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)  # (B, Hkv, L, Dh)
+    values = attn.v_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+
+    if positions is None:
+        offset = cache.offset if cache is not None else 0
+        queries = attn.rope(queries, offset=offset)
+        keys = attn.rope(keys, offset=offset)
+    else:
+        queries = rope_at(attn.rope, queries, positions)
+        keys = rope_at(attn.rope, keys, positions)
+
+    if cache is not None:
+        keys, values = cache.update_and_fetch(keys, values)
+
+    out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=attn.scale, mask=mask)
+    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))  # (B, L, D)
+
+
+def transformer_block(layer: nn.Module, x: mx.array, positions, cache, mask) -> mx.array:
+    h = x + attention(layer.self_attn, layer.input_layernorm(x), positions, cache, mask)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def lm_head(model: nn.Module, hidden: mx.array) -> mx.array:
+    if getattr(model.args, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
+        return model.model.embed_tokens.as_linear(hidden)
+    return model.lm_head(hidden)
+
+
+def forward(
+    model: nn.Module,
+    tokens: mx.array,
+    cache: Any = None,
+    positions: Optional[mx.array] = None,
+    mask: Mask = None,
+    logits_for: Union[Literal["all", "last", "none"], mx.array] = "all",
+    input_embeddings: Optional[mx.array] = None,
+) -> ForwardOutput:
+    """Run the model on tokens (B, L).
+
+    cache:      a model-level cache (`cache.layers[i]` per block, `cache.offset`) or None.
+    positions:  (B, L) int positions per token, or None for contiguous from `cache.offset`.
+    mask:       None, "causal", or a boolean/additive array broadcastable to
+                (B, heads, L, cached + L). None means "causal" when L > 1 (as mlx-lm).
+    logits_for: "all", "last", "none", or an index array (K,) of query positions to project.
+    """
+    inner = model.model
+    h = inner.embed_tokens(tokens) if input_embeddings is None else input_embeddings  # (B, L, D)
+    if mask is None and h.shape[1] > 1:
+        mask = "causal"
+    layer_caches = cache.layers if cache is not None else [None] * len(inner.layers)
+    for layer, layer_cache in zip(inner.layers, layer_caches):
+        h = transformer_block(layer, h, positions, layer_cache, mask)
+    hidden = inner.norm(h)
+
+    if isinstance(logits_for, str):
+        if logits_for == "none":
+            return ForwardOutput(hidden, None)
+        selected = hidden[:, -1:, :] if logits_for == "last" else hidden
+    else:
+        selected = hidden[:, logits_for, :]
+    return ForwardOutput(hidden, lm_head(model, selected))

@@ -1,0 +1,206 @@
+"""Find, validate and load a Llama-family model.
+
+A model spec is one of:
+- `default` / `default-4bit` / `default-f16`: the embedded SmolLM2-135M-Instruct (see `default`);
+- a local directory in Hugging Face / mlx-lm layout (config.json + *.safetensors + tokenizer);
+- a local `.gguf` file (converted once into the cache);
+- a Hugging Face repo id (`owner/name`), downloaded with huggingface-hub.
+
+Loading, quantized layers and tokenizers are mlx-lm's. Pickled `.bin` weights are never loaded.
+Every failure a user can cause raises a `UserError` with one clear line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import CorruptModel, ModelNotFound, UnsupportedModel
+from .default import ensure_default_model, home
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+
+# FastChat's Vicuna v1.1 conversation template, for Llama checkpoints whose tokenizer has none.
+VICUNA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + ' ' }}"
+    "{% set loop_messages = messages[1:] %}"
+    "{% else %}{{ 'A chat between a curious user and an artificial intelligence assistant. "
+    "The assistant gives helpful, detailed, and polite answers to the user\\'s questions. ' }}"
+    "{% set loop_messages = messages %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% if message['role'] == 'user' %}{{ 'USER: ' + message['content'] + ' ' }}"
+    "{% else %}{{ 'ASSISTANT: ' + message['content'] + eos_token }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: object  # mlx_lm.tokenizer_utils.TokenizerWrapper
+    path: Path
+    name: str
+    config: dict
+    dtype: str  # compute dtype of the non-quantized weights
+    bits: Optional[int]  # quantization bits, None for unquantized
+
+    @property
+    def context_length(self) -> int:
+        return int(self.config.get("max_position_embeddings") or 4096)
+
+    @property
+    def eos_token_ids(self) -> set:
+        return set(self.tokenizer.eos_token_ids)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.model.layers)
+
+    def encode_chat(self, messages: List[dict]) -> List[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        if isinstance(ids, dict):  # some transformers versions return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def encode_prompt(self, prompt: str, chat: bool = True) -> List[int]:
+        if chat:
+            return self.encode_chat([{"role": "user", "content": prompt}])
+        return list(self.tokenizer.encode(prompt))
+
+    def describe(self) -> str:
+        bits = f"{self.bits}-bit" if self.bits else "unquantized"
+        return f"{self.name} ({self.dtype}, {bits})"
+
+
+def resolve_model_path(spec: Optional[str]) -> Path:
+    if spec in (None, "", "default", "default-f16"):
+        return ensure_default_model("f16")
+    if spec == "default-4bit":
+        return ensure_default_model("4bit")
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            from .gguf import convert_gguf
+
+            out = home() / "models" / f"gguf-{path.stem}"
+            if not (out / "config.json").exists():
+                convert_gguf(path, out)
+            return out
+        raise UnsupportedModel(f"{spec} is a file; give a model directory or a .gguf file")
+    if _REPO_ID.match(spec) and not spec.startswith((".", "/", "~")):
+        return download_repo(spec)
+    raise ModelNotFound(f"no model at {spec!r} (not a directory, .gguf file or repo id)")
+
+
+def download_repo(repo_id: str) -> Path:
+    """Download safetensors weights, configs and tokenizer files (never pickles)."""
+    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
+    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "30")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(
+            snapshot_download(
+                repo_id,
+                allow_patterns=["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"],
+            )
+        )
+    except Exception as exc:
+        kind = type(exc).__name__
+        raise ModelNotFound(
+            f"cannot get {repo_id!r} from the Hugging Face Hub ({kind}): offline, or no such repo; "
+            "pass a local model directory instead"
+        ) from None
+
+
+def read_config(path: Path) -> dict:
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise ModelNotFound(f"{path} has no config.json: not a model directory")
+    try:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CorruptModel(f"{config_file} is not valid JSON: {exc}") from None
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModel(
+            f"model_type {model_type!r} is not supported; mlx-specdec runs Llama-family models "
+            f"({', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    return config
+
+
+def check_weights(path: Path) -> None:
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        if list(path.glob("*.bin")) or list(path.glob("*.pt")):
+            raise UnsupportedModel(f"{path} has only pickled .bin weights; they are never loaded. "
+                                   "Convert them to safetensors first")
+        raise ModelNotFound(f"{path} has no .safetensors weights")
+    for shard in shards:
+        _check_safetensors_header(shard)
+
+
+def _check_safetensors_header(shard: Path) -> None:
+    """Read the header and check every tensor lies inside the file: catches truncation cheaply."""
+    size = shard.stat().st_size
+    try:
+        with open(shard, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            if header_len <= 0 or 8 + header_len > size:
+                raise ValueError("bad header length")
+            header = json.loads(f.read(header_len))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if 8 + header_len + end > size:
+            raise ValueError(f"truncated: needs {8 + header_len + end} bytes, has {size}")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise CorruptModel(f"corrupt safetensors file {shard}: {exc}") from None
+
+
+def default_dtype(config: dict) -> str:
+    """float32 on the CPU (MLX's float16 and 4-bit matmuls are slower there: design.md);
+    the checkpoint's own dtype on Metal."""
+    if mx.default_device() == mx.cpu or not mx.metal.is_available():
+        return "float32"
+    return config.get("torch_dtype") or "float16"
+
+
+def load_model(spec: Optional[str] = "default", dtype: str = "auto") -> LoadedModel:
+    path = resolve_model_path(spec)
+    config = read_config(path)
+    check_weights(path)
+    from mlx_lm.utils import load as mlx_lm_load
+
+    try:
+        model, tokenizer = mlx_lm_load(str(path))
+    except Exception as exc:
+        raise CorruptModel(f"cannot load the model in {path}: {str(exc).splitlines()[0]}") from None
+
+    quant = config.get("quantization") or {}
+    bits = quant.get("bits")
+    compute = default_dtype(config) if dtype == "auto" else dtype
+    if compute not in ("float32", "float16", "bfloat16"):
+        raise UnsupportedModel(f"unknown dtype {dtype!r} (choose auto, float32, float16, bfloat16)")
+    if bits and dtype == "auto":
+        compute = "float16"  # quantized weights keep their float16 scales; never dequantize a big model silently
+    if not bits or dtype != "auto":
+        model.set_dtype(getattr(mx, compute))
+    mx.eval(model.parameters())  # materialise once: lazy weights would be loaded inside the first step
+
+    if getattr(tokenizer, "chat_template", None) is None:
+        tokenizer._tokenizer.chat_template = VICUNA_TEMPLATE
+    name = path.name if spec in (None, "", "default") or Path(str(spec)).exists() else str(spec)
+    return LoadedModel(model, tokenizer, path, name, config, compute, bits)
