@@ -19,17 +19,22 @@ def causal_mask(num_queries: int, offset: int) -> mx.array:
     return mx.array(key_pos <= query_pos)
 
 
+def _check_topological(parents: Sequence[int]) -> None:
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise ValueError(f"tree is not in topological order: parent {p} of token {i}")
+
+
 def tree_mask_np(parents: Sequence[int]) -> np.ndarray:
     """(N, N) ancestor-or-self mask of a token tree in topological order.
 
     parents[i] is the index of token i's parent inside the tree (-1 for a root, which hangs off
     the cached prefix). Row i is True at i and at every ancestor of i.
     """
+    _check_topological(parents)
     n = len(parents)
     mask = np.zeros((n, n), dtype=bool)
     for i, p in enumerate(parents):
-        if p >= i:
-            raise ValueError(f"tree is not in topological order: parent {p} of token {i}")
         if p >= 0:
             mask[i] = mask[p]
         mask[i, i] = True
@@ -38,6 +43,7 @@ def tree_mask_np(parents: Sequence[int]) -> np.ndarray:
 
 def tree_depths_np(parents: Sequence[int]) -> np.ndarray:
     """Depth of each tree token (roots at 0): the offset of its position past the prefix."""
+    _check_topological(parents)
     depth = np.zeros(len(parents), dtype=np.int32)
     for i, p in enumerate(parents):
         depth[i] = depth[p] + 1 if p >= 0 else 0

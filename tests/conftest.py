@@ -32,3 +32,49 @@ def make_tiny_llama(seed: int = 0, layers: int = 2, tie: bool = True, dtype=mx.f
 @pytest.fixture
 def tiny_model():
     return make_tiny_llama()
+
+
+def make_tiny_tokenizer(vocab_size: int = 97, eos_id: int = 2):
+    """A real (word-level) Hugging Face fast tokenizer wrapped by mlx-lm: token i <-> "w{i} "."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"w{eos_id}", unk_token="w0")
+    return TokenizerWrapper(fast)
+
+
+def make_tiny_lm(seed: int = 0, layers: int = 2, eos_id: int = 2, context: int = 512, **overrides):
+    """A `LoadedModel` around a tiny random Llama and the word-level tokenizer above."""
+    from pathlib import Path
+    from mlx_specdec.model.loader import LoadedModel
+
+    model = make_tiny_llama(seed=seed, layers=layers, tie=False, **overrides)
+    config = {"model_type": "llama", "max_position_embeddings": context, "vocab_size": 97}
+    return LoadedModel(model, make_tiny_tokenizer(eos_id=eos_id), Path("."), "tiny-llama",
+                       config, "float32", None)
+
+
+@pytest.fixture
+def tiny_lm():
+    return make_tiny_lm()
+
+
+def save_tiny_model_dir(path, context: int = 512, seed: int = 0):
+    """Write a tiny Llama in Hugging Face / mlx-lm layout (config, safetensors, tokenizer)."""
+    import json
+    from mlx.utils import tree_flatten
+
+    lm = make_tiny_lm(seed=seed, context=context)
+    path.mkdir(parents=True, exist_ok=True)
+    config = dict(lm.model.args.__dict__)
+    config.update(model_type="llama", max_position_embeddings=context, architectures=["LlamaForCausalLM"])
+    config = {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool, list, type(None)))}
+    (path / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(lm.model.parameters())))
+    lm.tokenizer._tokenizer.save_pretrained(str(path))
+    return path

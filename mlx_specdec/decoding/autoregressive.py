@@ -33,8 +33,8 @@ def autoregressive(ctx: DecodeContext) -> Iterator[Step]:
             following = next_token(token)
             mx.async_eval(following)
             value = token.item()  # host sync (one per token), overlapped with `following`
+            ctx.stats.forward_passes += 1  # the forward that produced `value`
             yield Step([value])
-            ctx.stats.forward_passes += 1
             if value in eos:
                 return
             token = following

@@ -36,7 +36,78 @@ _BLOCK_NAMES = {
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
+# GGUF metadata value types -> fixed byte sizes (8 = string, 9 = array are variable).
+_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+class _HeaderReader:
+    """Bounds-checked reader for the GGUF header (`mx.load` can crash on a corrupt one)."""
+
+    def __init__(self, data: memoryview):
+        self.data, self.pos = data, 0
+
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.pos + n > len(self.data):
+            raise ValueError(f"header runs past the end of the file at byte {self.pos}")
+        chunk = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return chunk
+
+    def uint(self, n: int) -> int:
+        return int.from_bytes(self.take(n), "little")
+
+    def string(self) -> bytes:
+        return bytes(self.take(self.uint(8)))
+
+    def value(self, kind: int, depth: int = 0) -> None:
+        if kind in _GGUF_SCALAR_SIZES:
+            self.take(_GGUF_SCALAR_SIZES[kind])
+        elif kind == 8:
+            self.string()
+        elif kind == 9 and depth == 0:
+            item_kind, count = self.uint(4), self.uint(8)
+            if item_kind in _GGUF_SCALAR_SIZES:
+                self.take(_GGUF_SCALAR_SIZES[item_kind] * count)
+            else:
+                for _ in range(count):
+                    self.value(item_kind, depth + 1)
+        else:
+            raise ValueError(f"unknown metadata value type {kind}")
+
+
+def check_gguf_header(path: Path) -> None:
+    """Walk the GGUF header (magic, version, metadata, tensor table) inside the file's bounds."""
+    import mmap
+
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            reader = _HeaderReader(memoryview(mapped))
+            try:
+                if bytes(reader.take(4)) != b"GGUF":
+                    raise ValueError("not a GGUF file (bad magic)")
+                version = reader.uint(4)
+                if version not in (2, 3):
+                    raise ValueError(f"unsupported GGUF version {version}")
+                tensors, entries = reader.uint(8), reader.uint(8)
+                if tensors > 1_000_000 or entries > 1_000_000:
+                    raise ValueError("implausible tensor or metadata count")
+                for _ in range(entries):
+                    reader.string()
+                    reader.value(reader.uint(4))
+                for _ in range(tensors):
+                    reader.string()
+                    dims = reader.uint(4)
+                    if not 1 <= dims <= 4:
+                        raise ValueError(f"tensor with {dims} dimensions")
+                    reader.take(8 * dims + 4 + 8)  # shape, type, data offset
+            finally:
+                reader.data.release()
+    except (ValueError, OSError) as exc:
+        raise CorruptModel(f"cannot read GGUF file {path}: {exc}") from None
+
+
 def read_gguf(path: Path) -> Tuple[Dict[str, mx.array], dict]:
+    check_gguf_header(path)
     try:
         return mx.load(str(path), return_metadata=True)
     except Exception as exc:  # MLX raises ValueError/RuntimeError with a terse message

@@ -1,0 +1,258 @@
+"""`mlx-specdec bench`: every method on the same prompts, in one run, against plain decoding.
+
+One schema (`ROW_COLUMNS`, `SUMMARY_COLUMNS`) renders to Markdown, JSON and CSV. Methods run
+prompt-major (all methods on prompt 1, then prompt 2, ...) so slow drifts of a noisy machine
+hit every method alike. `speedup_vs_ar` is (AR decode time) / (method decode time) summed over
+the same prompts within one repeat; over repeats we report mean ± sd.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import itertools
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional
+
+from .decoding import GenerationParams
+from .engine import Engine, check_method
+from .errors import UserError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_PROMPTS = REPO_ROOT / "benchmarks" / "prompts.jsonl"
+
+ROW_COLUMNS = [
+    "method", "config", "prompt_id", "category", "repeat", "prompt_tokens", "new_tokens",
+    "decode_tps", "ttft_ms", "decode_s", "forward_passes", "tokens_per_forward", "drafted",
+    "accepted", "peak_memory_mb", "identical_to_ar",
+]
+SUMMARY_COLUMNS = [
+    "method", "config", "prompts", "new_tokens", "decode_tps", "decode_tps_sd", "speedup_vs_ar",
+    "speedup_sd", "tokens_per_forward", "ttft_ms_median", "peak_memory_mb", "identical_fraction",
+]
+
+
+@dataclass
+class Prompt:
+    id: str
+    category: str
+    text: str
+
+
+@dataclass
+class MethodConfig:
+    method: str
+    options: Dict[str, object] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in sorted(self.options.items())) or "-"
+
+
+def load_prompts(path: Optional[Path], limit: Optional[int] = None,
+                 categories: Optional[List[str]] = None) -> List[Prompt]:
+    """FastChat question files (JSON lines with question_id, category, turns) or plain text."""
+    path = Path(path) if path else DEFAULT_PROMPTS
+    if not path.exists():
+        raise UserError(f"prompt file {path} does not exist")
+    prompts: List[Prompt] = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("{"):
+            try:
+                record = json.loads(line)
+                turns = record.get("turns") or [record.get("prompt") or record.get("text")]
+                prompts.append(Prompt(str(record.get("question_id", record.get("id", number))),
+                                      record.get("category", "-"), str(turns[0])))
+            except (json.JSONDecodeError, TypeError, IndexError) as exc:
+                raise UserError(f"{path}:{number}: not a FastChat question line ({exc})") from None
+        else:
+            prompts.append(Prompt(str(number), "-", line))
+    if categories:
+        prompts = [p for p in prompts if p.category in categories]
+    if limit:
+        prompts = prompts[:limit]
+    if not prompts:
+        raise UserError(f"no prompts selected from {path}")
+    return prompts
+
+
+def expand_configs(methods: Iterable[str], grids: Dict[str, Dict[str, List[object]]]) -> List[MethodConfig]:
+    """Each method with every combination of its option lists (comma lists on the CLI)."""
+    configs = []
+    for method in methods:
+        check_method(method)
+        grid = grids.get(method, {})
+        keys = sorted(grid)
+        for values in itertools.product(*(grid[k] for k in keys)) if keys else [()]:
+            configs.append(MethodConfig(method, dict(zip(keys, values))))
+    return configs
+
+
+def environment(engine: Engine) -> Dict[str, object]:
+    import mlx.core as mx
+    import mlx_lm
+
+    from . import _blas
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
+                                capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    lm = engine.lm
+    return {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "device": str(mx.default_device()),
+        "blas": _blas.loaded_blas,
+        "machine": f"{platform.system()} {platform.machine()}, {__import__('os').cpu_count()} cores",
+        "python": platform.python_version(),
+        "model": lm.name,
+        "dtype": lm.dtype,
+        "bits": lm.bits or (32 if lm.dtype == "float32" else 16),
+        "git_commit": commit or "unknown",
+    }
+
+
+def run_one(engine: Engine, prompt: Prompt, config: MethodConfig, base: GenerationParams):
+    params = GenerationParams(max_tokens=base.max_tokens, temperature=base.temperature,
+                              top_p=base.top_p, seed=base.seed, options=dict(config.options))
+    tokens: List[int] = []
+    stats = None
+    for event in engine.generate(prompt.text, method=config.method, params=params):
+        if event.kind == "token" and event.thread_id == 0:
+            tokens.extend(event.tokens)
+        elif event.kind == "done":
+            stats = event.stats
+    return tokens, stats
+
+
+def run_bench(engine: Engine, prompts: List[Prompt], configs: List[MethodConfig],
+              params: GenerationParams, repeats: int = 1, progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    if not any(c.method == "ar" for c in configs):
+        configs = [MethodConfig("ar")] + configs  # the reference for identity and speed-up
+    # Warm-up: compile and allocate once per config, on a short run, before anything is timed.
+    warm = GenerationParams(max_tokens=8, temperature=params.temperature, seed=params.seed)
+    for config in configs:
+        run_one(engine, prompts[0], config, warm)
+
+    rows: List[dict] = []
+    reference: Dict[str, List[int]] = {}
+    total = repeats * len(prompts) * len(configs)
+    bar = tqdm(total=total, desc="bench", unit="run", disable=not progress, file=sys.stderr)
+    for repeat in range(repeats):
+        for prompt in prompts:
+            for config in configs:
+                bar.set_postfix_str(f"{config.method} #{prompt.id}")
+                tokens, stats = run_one(engine, prompt, config, params)
+                if config.method == "ar" and not config.options:
+                    reference.setdefault(prompt.id, tokens)
+                rows.append({
+                    "method": config.method, "config": config.label, "prompt_id": prompt.id,
+                    "category": prompt.category, "repeat": repeat,
+                    "prompt_tokens": stats.prompt_tokens, "new_tokens": stats.generated_tokens,
+                    "decode_tps": round(stats.decode_tps, 2), "ttft_ms": round(stats.ttft_s * 1000, 1),
+                    "decode_s": round(stats.decode_s, 4), "forward_passes": stats.forward_passes,
+                    "tokens_per_forward": round(stats.tokens_per_forward, 3),
+                    "drafted": stats.drafted, "accepted": stats.accepted,
+                    "peak_memory_mb": round(stats.peak_memory_mb, 1),
+                    "_tokens": tokens,
+                })
+                bar.update(1)
+    bar.close()
+    for row in rows:
+        ref = reference.get(row["prompt_id"])
+        row["identical_to_ar"] = ref is not None and row.pop("_tokens") == ref
+    return {"environment": environment(engine), "params": _params_dict(params, repeats),
+            "rows": rows, "summary": summarize(rows, configs, repeats)}
+
+
+def _params_dict(params: GenerationParams, repeats: int) -> dict:
+    return {"max_tokens": params.max_tokens, "temperature": params.temperature,
+            "top_p": params.top_p, "seed": params.seed, "repeats": repeats}
+
+
+def _mean_sd(values: List[float]) -> tuple[float, float]:
+    if not values:
+        return 0.0, 0.0
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def summarize(rows: List[dict], configs: List[MethodConfig], repeats: int) -> List[dict]:
+    summary = []
+    for config in configs:
+        mine = [r for r in rows if r["method"] == config.method and r["config"] == config.label]
+        if not mine:
+            continue
+        tps, speedups = [], []
+        for repeat in range(repeats):
+            this = [r for r in mine if r["repeat"] == repeat]
+            ar = {r["prompt_id"]: r for r in rows
+                  if r["method"] == "ar" and r["config"] == "-" and r["repeat"] == repeat}
+            decode_tokens = sum(max(r["new_tokens"] - 1, 0) for r in this)
+            decode_time = sum(r["decode_s"] for r in this)
+            tps.append(decode_tokens / decode_time if decode_time else 0.0)
+            ar_time = sum(ar[r["prompt_id"]]["decode_s"] for r in this if r["prompt_id"] in ar)
+            speedups.append(ar_time / decode_time if decode_time else 0.0)
+        tps_mean, tps_sd = _mean_sd(tps)
+        speed_mean, speed_sd = _mean_sd(speedups)
+        forwards = sum(r["forward_passes"] for r in mine)
+        summary.append({
+            "method": config.method, "config": config.label,
+            "prompts": len({r["prompt_id"] for r in mine}),
+            "new_tokens": sum(r["new_tokens"] for r in mine),
+            "decode_tps": round(tps_mean, 2), "decode_tps_sd": round(tps_sd, 2),
+            "speedup_vs_ar": round(speed_mean, 3), "speedup_sd": round(speed_sd, 3),
+            "tokens_per_forward": round(sum(r["new_tokens"] for r in mine) / forwards, 3) if forwards else 0.0,
+            "ttft_ms_median": round(statistics.median(r["ttft_ms"] for r in mine), 1),
+            "peak_memory_mb": max(r["peak_memory_mb"] for r in mine),
+            "identical_fraction": round(sum(r["identical_to_ar"] for r in mine) / len(mine), 3),
+        })
+    return summary
+
+
+# -- rendering: one schema, three formats -------------------------------------------------------
+
+def _md_table(records: List[dict], columns: List[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for record in records:
+        lines.append("| " + " | ".join(str(record.get(c, "")) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def render(result: dict, fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps(result, indent=2)
+    if fmt == "csv":
+        out = io.StringIO()
+        writer = csv.DictWriter(out, fieldnames=ROW_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(result["rows"])
+        return out.getvalue()
+    if fmt == "md":
+        env = ", ".join(f"{k}: {v}" for k, v in result["environment"].items())
+        params = ", ".join(f"{k}: {v}" for k, v in result["params"].items())
+        return "\n\n".join([
+            "## Environment", env, "## Parameters", params,
+            "## Summary", _md_table(result["summary"], SUMMARY_COLUMNS),
+            "## Per prompt", _md_table(result["rows"], ROW_COLUMNS),
+        ]) + "\n"
+    raise UserError(f"unknown format {fmt!r} (choose md, json or csv)")
+
+
+def print_summary(result: dict, stream=sys.stderr) -> None:
+    print(_md_table(result["summary"], SUMMARY_COLUMNS), file=stream)

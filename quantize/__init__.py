@@ -1,0 +1,1 @@
+"""Quantize-and-run: float16 -> 4-bit with mlx-lm, then run both and compare."""

@@ -1,0 +1,126 @@
+"""Bad input ends in one clear line on stderr and a non-zero exit, never a traceback."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import save_tiny_model_dir
+
+
+def cli(*args, env=None, stdin=None):
+    full_env = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "mlx_specdec.cli", *args], capture_output=True,
+                          text=True, env=full_env, input=stdin, timeout=120)
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model", context=16)
+
+
+@pytest.fixture
+def isolated_home(tmp_path):
+    return {"MLX_SPECDEC_HOME": str(tmp_path / "home")}
+
+
+def test_tiny_model_directory_generates(tiny_dir):
+    result = cli("generate", "-m", str(tiny_dir), "-p", "w5 w6 w7", "--raw", "--max-tokens", "4")
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.split()) == 4
+    assert "[ar] prompt 3 tok" in result.stderr and "decode" in result.stderr
+
+
+def test_missing_model(tmp_path):
+    assert_one_line_error(cli("generate", "-m", str(tmp_path / "nowhere"), "-p", "hi"), "no model at")
+
+
+def test_directory_without_config(tmp_path):
+    assert_one_line_error(cli("generate", "-m", str(tmp_path), "-p", "hi"), "has no config.json")
+
+
+def test_non_llama_config(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    assert_one_line_error(cli("generate", "-m", str(tmp_path), "-p", "hi"),
+                          "model_type 'gpt2' is not supported", "Llama-family")
+
+
+def test_pickled_weights_are_refused(tmp_path, tiny_dir):
+    (tmp_path / "config.json").write_text((tiny_dir / "config.json").read_text())
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    assert_one_line_error(cli("generate", "-m", str(tmp_path), "-p", "hi"), "pickled .bin weights")
+
+
+def test_truncated_safetensors(tmp_path, tiny_dir):
+    for f in tiny_dir.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    assert_one_line_error(cli("generate", "-m", str(tmp_path), "-p", "hi"), "corrupt safetensors", "truncated")
+
+
+def test_garbage_safetensors_header(tmp_path, tiny_dir):
+    for f in tiny_dir.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
+    assert_one_line_error(cli("generate", "-m", str(tmp_path), "-p", "hi"), "corrupt safetensors")
+
+
+def test_garbage_gguf(tmp_path, isolated_home):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(os.urandom(1000))
+    assert_one_line_error(cli("generate", "-m", str(bad), "-p", "hi", env=isolated_home),
+                          "cannot read GGUF file")
+
+
+def test_convert_garbage_gguf(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(64))
+    assert_one_line_error(cli("convert", str(bad), "-o", str(tmp_path / "out")), "GGUF")
+
+
+def test_prompt_past_context_window(tiny_dir):
+    prompt = " ".join(f"w{i}" for i in range(3, 20))
+    assert_one_line_error(cli("generate", "-m", str(tiny_dir), "-p", prompt, "--raw"),
+                          "prompt has 17 tokens but the context window", "is 16")
+
+
+def test_unknown_method():
+    # checked before any model is loaded: no download, instant
+    assert_one_line_error(cli("generate", "-p", "hi", "--method", "nope"), "unknown method 'nope'")
+
+
+def test_unknown_bench_method(tiny_dir):
+    assert_one_line_error(cli("bench", "-m", str(tiny_dir), "--methods", "ar,nope"), "unknown method 'nope'")
+
+
+def test_offline_repo_id(isolated_home):
+    env = dict(isolated_home, HF_HUB_OFFLINE="1", HF_HOME=isolated_home["MLX_SPECDEC_HOME"])
+    assert_one_line_error(cli("generate", "-m", "lmsys/vicuna-7b-v1.5", "-p", "hi", env=env),
+                          "cannot get 'lmsys/vicuna-7b-v1.5'", "offline")
+
+
+def test_bad_numbers():
+    assert_one_line_error(cli("generate", "-p", "hi", "--max-tokens", "0"), "--max-tokens must be positive")
+    assert_one_line_error(cli("generate", "-p", "hi", "--temp", "-1"), "--temp must be >= 0")
+
+
+def test_missing_prompt_file(tiny_dir, tmp_path):
+    assert_one_line_error(cli("bench", "-m", str(tiny_dir), "--prompts", str(tmp_path / "none.jsonl")),
+                          "none.jsonl")
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "bench", "convert", "fetch", "quantize"])
+def test_every_command_has_help(command):
+    result = cli(command, "--help")
+    assert result.returncode == 0 and "usage: mlx-specdec " + command in result.stdout
