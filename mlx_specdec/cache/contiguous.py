@@ -50,6 +50,8 @@ class ContiguousLayerCache:
         self.keys, self.values = new_keys, new_values
 
     def trim(self, n: int) -> int:
+        if n < 0:
+            raise ValueError(f"cannot trim a negative number of tokens ({n})")
         n = min(self.offset, n)
         self.offset -= n
         return n
@@ -91,8 +93,8 @@ class ContiguousKVCache:
         return dropped
 
     def rollback_to(self, offset: int) -> None:
-        if offset > self.offset:
-            raise ValueError(f"cannot roll forward from {self.offset} to {offset}")
+        if not 0 <= offset <= self.offset:
+            raise ValueError(f"cannot roll back from {self.offset} to {offset}")
         self.trim(self.offset - offset)
 
     def keep_appended(self, start: int, kept: Sequence[int] | mx.array) -> None:

@@ -52,6 +52,8 @@ class SparseKVView:
         for idx in indices:
             if idx.size and int(idx.max().item()) >= length:
                 raise ValueError(f"index past the cache length {length}")
+            if idx.size and int(idx.min().item()) < 0:
+                raise ValueError("negative cache index")
         self.base = base
         self.layers = [SparseLayerView(b, idx, length) for b, idx in zip(base.layers, indices)]
 
