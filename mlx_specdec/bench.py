@@ -32,12 +32,17 @@ DEFAULT_PROMPTS = REPO_ROOT / "benchmarks" / "prompts.jsonl"
 ROW_COLUMNS = [
     "method", "config", "prompt_id", "category", "repeat", "prompt_tokens", "new_tokens",
     "decode_tps", "ttft_ms", "decode_s", "forward_passes", "tokens_per_forward", "drafted",
-    "accepted", "peak_memory_mb", "identical_to_ar",
+    "accepted", "peak_memory_mb", "identical_to_ar", "compression", "acceptance_per_position",
 ]
 SUMMARY_COLUMNS = [
     "method", "config", "prompts", "new_tokens", "decode_tps", "decode_tps_sd", "speedup_vs_ar",
     "speedup_sd", "tokens_per_forward", "ttft_ms_median", "peak_memory_mb", "identical_fraction",
+    "compression", "acceptance_per_position", "draft_ms_per_step", "verify_ms_per_step",
+    "accept_ms_per_step", "pack_ms_per_step", "sync_ms_per_step",
 ]
+#: method-specific figures copied from `GenerationStats.extra` into each row when present
+EXTRA_FIELDS = ["steps", "compression", "acceptance_per_position", "tree_tokens_before_dedup",
+                "tree_tokens_after_dedup", "draft_s", "verify_s", "accept_s", "pack_s", "sync_s"]
 
 
 @dataclass
@@ -171,6 +176,7 @@ def run_bench(engine: Engine, prompts: List[Prompt], configs: List[MethodConfig]
                     "drafted": stats.drafted, "accepted": stats.accepted,
                     "peak_memory_mb": round(stats.peak_memory_mb, 1),
                     "_tokens": tokens,
+                    **{k: stats.extra[k] for k in EXTRA_FIELDS if k in stats.extra},
                 })
                 bar.update(1)
     bar.close()
@@ -221,8 +227,28 @@ def summarize(rows: List[dict], configs: List[MethodConfig], repeats: int) -> Li
             "ttft_ms_median": round(statistics.median(r["ttft_ms"] for r in mine), 1),
             "peak_memory_mb": max(r["peak_memory_mb"] for r in mine),
             "identical_fraction": round(sum(r["identical_to_ar"] for r in mine) / len(mine), 3),
+            **_speculation_summary(mine),
         })
     return summary
+
+
+def _speculation_summary(rows: List[dict]) -> dict:
+    """Draft-and-verify figures over all rows that have them, weighted by decoding steps."""
+    rows = [r for r in rows if r.get("steps")]
+    if not rows:
+        return {}
+    steps = sum(r["steps"] for r in rows)
+    depth = max(len(r["acceptance_per_position"]) for r in rows)
+    acceptance = [sum(r["acceptance_per_position"][k] * r["steps"] for r in rows
+                      if k < len(r["acceptance_per_position"])) / steps for k in range(depth)]
+    before = sum(r["tree_tokens_before_dedup"] for r in rows)
+    after = sum(r["tree_tokens_after_dedup"] for r in rows)
+    out = {"acceptance_per_position": [round(a, 3) for a in acceptance],
+           "compression": round(1 - after / before, 3) if before else 0.0}
+    for phase in ("draft", "verify", "accept", "pack", "sync"):
+        if any(f"{phase}_s" in r for r in rows):
+            out[f"{phase}_ms_per_step"] = round(1000 * sum(r.get(f"{phase}_s", 0) for r in rows) / steps, 2)
+    return out
 
 
 # -- rendering: one schema, three formats -------------------------------------------------------

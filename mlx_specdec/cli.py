@@ -24,8 +24,45 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="compute dtype; auto = float32 on the CPU, the model's own on Metal")
 
 
+METHODS_HELP = "ar (plain), mlx-lm (peer baseline), redrafter"
+
+
+def _add_method_args(p: argparse.ArgumentParser, lists: bool = False) -> None:
+    """Method settings; in `bench` they take comma lists and every combination runs."""
+    kind = "comma list of " if lists else ""
+    p.add_argument("--drafter", default="auto",
+                   help="ReDrafter head directory; 'auto' = the head shipped in models/ for this model")
+    p.add_argument("--beam-width", default=None,
+                   help=f"redrafter: {kind}beam width W (default: 2)")
+    p.add_argument("--beam-length", default=None,
+                   help=f"redrafter: {kind}beam length L, the LLM's token + L-1 drafts (default: 5)")
+    p.add_argument("--profile", action="store_true",
+                   help="redrafter: sync after each phase to report draft/verify/accept time (slower)")
+
+
+def _method_options(args) -> dict:
+    options = {}
+    if args.beam_width is not None:
+        options["beam_width"] = _positive_int(args.beam_width, "--beam-width")
+    if args.beam_length is not None:
+        options["beam_length"] = _positive_int(args.beam_length, "--beam-length")
+    if args.profile:
+        options["profile"] = True
+    return options
+
+
+def _positive_int(text: str, flag: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise UserError(f"{flag} takes a whole number, not {text!r}") from None
+    if value < 1:
+        raise UserError(f"{flag} must be at least 1")
+    return value
+
+
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
-    p.add_argument("--method", default="ar", help="decoding method: ar (plain) or mlx-lm (default: ar)")
+    p.add_argument("--method", default="ar", help=f"decoding method: {METHODS_HELP} (default: ar)")
     p.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate (default: %(default)s)")
     p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: 1.0)")
@@ -41,14 +78,14 @@ def _params(args):
     if args.temp < 0:
         raise UserError("--temp must be >= 0")
     return GenerationParams(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p,
-                            seed=args.seed, stop=tuple(args.stop))
+                            seed=args.seed, stop=tuple(args.stop), options=_method_options(args))
 
 
 def _load_engine(args):
     from .engine import Engine
 
     print(f"Loading {args.model}...", file=sys.stderr, flush=True)
-    return Engine.load(args.model, dtype=args.dtype)
+    return Engine.load(args.model, dtype=args.dtype, drafter=getattr(args, "drafter", "auto"))
 
 
 def cmd_generate(args) -> int:
@@ -133,7 +170,14 @@ def cmd_bench(args) -> int:
     from .decoding import GenerationParams
 
     methods = _comma_list(args.methods)
-    configs = expand_configs(methods, {})
+    redrafter_grid = {}
+    if args.beam_width:
+        redrafter_grid["beam_width"] = [_positive_int(v, "--beam-width") for v in _comma_list(args.beam_width)]
+    if args.beam_length:
+        redrafter_grid["beam_length"] = [_positive_int(v, "--beam-length") for v in _comma_list(args.beam_length)]
+    if args.profile:
+        redrafter_grid["profile"] = [True]
+    configs = expand_configs(methods, {"redrafter": redrafter_grid})
     prompts = load_prompts(args.prompts, limit=args.limit,
                            categories=_comma_list(args.categories) if args.categories else None)
     if args.format not in ("md", "json", "csv"):
@@ -201,11 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", "-p", required=True, help="the prompt ('-' reads stdin)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     _add_sampling_args(p)
+    _add_method_args(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="chat in the terminal", description="Chat in the terminal.")
     _add_model_args(p)
     _add_sampling_args(p, max_tokens=512)
+    _add_method_args(p)
     p.add_argument("--verbose", "-v", action="store_true", help="print a stats line after each answer")
     p.set_defaults(func=cmd_chat)
 
@@ -213,7 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run every method on the same prompts and compare with plain "
                                    "decoding (ar): speed-up, tokens per forward, identical output.")
     _add_model_args(p)
-    p.add_argument("--methods", default="ar,mlx-lm", help="comma list of methods (default: %(default)s)")
+    p.add_argument("--methods", default="ar,mlx-lm",
+                   help=f"comma list of methods: {METHODS_HELP} (default: %(default)s)")
+    _add_method_args(p, lists=True)
     p.add_argument("--prompts", default=None,
                    help="FastChat question file (JSON lines) or text file, one prompt a line "
                         "(default: benchmarks/prompts.jsonl)")

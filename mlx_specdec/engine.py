@@ -9,7 +9,8 @@ Everything the CLI, the bench and the chat app do goes through `Engine.generate`
 
 from __future__ import annotations
 
-from typing import Iterator, List, Optional
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional
 
 from .decoding import STRATEGIES, Event, GenerationParams, stream_events
 from .errors import UserError
@@ -25,13 +26,52 @@ def check_method(method: str) -> None:
         raise UnknownMethod(f"unknown method {method!r} (choose from {', '.join(STRATEGIES)})")
 
 
+#: where the project's own trained artifacts (drafter heads, adapters) live, next to their cards
+MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
+
+
 class Engine:
-    def __init__(self, lm: LoadedModel):
+    def __init__(self, lm: LoadedModel, drafter: Optional[str] = "auto"):
         self.lm = lm
+        self.drafter_spec = drafter
+        self._resources: Dict[str, object] = {}
 
     @classmethod
-    def load(cls, model: Optional[str] = "default", dtype: str = "auto") -> "Engine":
-        return cls(load_model(model, dtype=dtype))
+    def load(cls, model: Optional[str] = "default", dtype: str = "auto",
+             drafter: Optional[str] = "auto") -> "Engine":
+        """drafter: 'auto' (a head shipped in models/ for this model, if any), a directory, or None."""
+        engine = cls(load_model(model, dtype=dtype), drafter)
+        if drafter not in (None, "auto"):
+            engine.drafter  # load now: a mismatched head is reported before anything runs
+        return engine
+
+    @property
+    def drafter(self):
+        """The ReDrafter head for this model, loaded on first use (None if there is none)."""
+        if "drafter" not in self._resources:
+            from .drafter.head import load_drafter
+
+            if self.drafter_spec in (None, "auto"):
+                self._resources["drafter"] = self._find_shipped_drafter() if self.drafter_spec else None
+            else:
+                self._resources["drafter"] = load_drafter(Path(self.drafter_spec).expanduser(), self.lm)
+        return self._resources["drafter"]
+
+    def _find_shipped_drafter(self):
+        from .drafter.head import DrafterMismatch, load_drafter
+
+        for directory in sorted(MODELS_DIR.glob("drafter-*")):
+            if (directory / "config.json").exists():
+                try:
+                    return load_drafter(directory, self.lm)
+                except DrafterMismatch:  # trained for another model
+                    continue
+        return None
+
+    def _resources_for(self, method: str) -> Dict[str, object]:
+        if method == "redrafter":
+            return {"drafter": self.drafter}
+        return {}
 
     @property
     def methods(self) -> List[str]:
@@ -40,7 +80,8 @@ class Engine:
     def generate_ids(self, prompt_ids: List[int], method: str = "ar",
                      params: Optional[GenerationParams] = None) -> Iterator[Event]:
         check_method(method)
-        return stream_events(self.lm, list(prompt_ids), STRATEGIES[method], params or GenerationParams(), method)
+        return stream_events(self.lm, list(prompt_ids), STRATEGIES[method], params or GenerationParams(),
+                             method, resources=self._resources_for(method))
 
     def generate(self, prompt: str, method: str = "ar", params: Optional[GenerationParams] = None,
                  chat_template: bool = True) -> Iterator[Event]:

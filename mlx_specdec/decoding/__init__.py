@@ -3,11 +3,13 @@
 from .autoregressive import autoregressive
 from .base import Event, GenerationParams, GenerationStats, Step, stream_events
 from .mlx_lm_baseline import mlx_lm_baseline
+from .redrafter import redrafter
 
 #: method name -> strategy generator function. `ar` is plain decoding; `mlx-lm` the peer baseline.
 STRATEGIES = {
     "ar": autoregressive,
     "mlx-lm": mlx_lm_baseline,
+    "redrafter": redrafter,
 }
 
 __all__ = ["STRATEGIES", "Event", "GenerationParams", "GenerationStats", "Step", "stream_events"]

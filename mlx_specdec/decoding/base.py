@@ -90,6 +90,15 @@ class GenerationStats:
         )
         if self.drafted:
             line += f" | accepted {self.accepted}/{self.drafted} drafted"
+        extra = self.extra
+        if "acceptance_per_position" in extra:
+            line += f" | acceptance by position {extra['acceptance_per_position']}"
+        if "compression" in extra:
+            line += (f" | tree {extra['tree_tokens_after_dedup']}/{extra['tree_tokens_before_dedup']} "
+                     f"tokens after dedup")
+        timed = [k for k in ("draft_s", "pack_s", "verify_s", "accept_s", "sync_s") if k in extra]
+        if timed and extra.get("steps"):
+            line += " | ms/step " + " ".join(f"{k[:-2]} {1000 * extra[k] / extra['steps']:.1f}" for k in timed)
         return line
 
 
@@ -116,6 +125,7 @@ class DecodeContext:
     sampler: Callable[[mx.array], mx.array]
     stats: GenerationStats
     prefill_done_at: float = 0.0
+    resources: Dict[str, object] = field(default_factory=dict)  # e.g. {"drafter": DrafterHead}
 
 
 def make_sampler(params: GenerationParams):
@@ -198,6 +208,7 @@ def stream_events(
     strategy,
     params: GenerationParams,
     method_name: str,
+    resources: Optional[Dict[str, object]] = None,
 ) -> Iterator[Event]:
     if not prompt:
         raise ValueError("empty prompt")
@@ -205,7 +216,7 @@ def stream_events(
     if params.seed is not None:
         mx.random.seed(params.seed)
     stats = GenerationStats(method=method_name, prompt_tokens=len(prompt))
-    ctx = DecodeContext(lm, list(prompt), params, make_sampler(params), stats)
+    ctx = DecodeContext(lm, list(prompt), params, make_sampler(params), stats, resources=resources or {})
     eos = lm.eos_token_ids
     texts: Dict[int, _ThreadText] = {}
     start = time.perf_counter()

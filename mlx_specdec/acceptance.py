@@ -1,0 +1,114 @@
+"""Speculative acceptance: the one place the verify-then-accept math lives.
+
+Every speculative method drafts candidate continuations, runs the target model once over them,
+and keeps the longest prefix the target model agrees with, plus one token of the target's own.
+All functions here are lazy MLX graphs (no host sync); the caller syncs once per step.
+
+Greedy (temperature 0) -- output is token for token the target's greedy output:
+    target[w, j] = argmax p(. | prefix, beam w up to depth j)
+    draft token beams[w, j+1] is accepted while it equals target[w, j];
+    pick the beam with the longest accepted run n; the next token is target[w, n]
+    (the target's own choice after the last accepted draft: the "bonus" token).
+
+Sampling -- output is distributed exactly as the target's samples (Leviathan et al.; with several
+candidates per node, SpecInfer's multi-candidate rule). At a node with target distribution p and
+candidates x_1..x_m drawn independently from the draft distribution q:
+    for each candidate x_i in turn:
+        accept x_i with probability min(1, p(x_i) / q(x_i))      (U < p/q)
+        otherwise p <- max(p - q, 0) / sum(max(p - q, 0))       (the residual)
+    if none is accepted: sample the next token from the final residual p and stop;
+    if all drafted depths are accepted: sample a bonus token from the deepest node's p.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import mlx.core as mx
+
+_TINY = 1e-20  # guards p/q and the residual's normaliser against 0/0
+
+
+class Accepted(NamedTuple):
+    beam: mx.array  # () index of the beam whose prefix was accepted
+    num_accepted: mx.array  # () accepted draft tokens (0 .. L-1)
+    next_token: mx.array  # () the target's own token after them (bonus or resampled)
+
+
+def target_probs(logits: mx.array, temperature: float, top_p: float = 1.0) -> mx.array:
+    """The distribution plain sampling draws from: softmax(logits / T), then top-p as mlx-lm."""
+    probs = mx.softmax(logits.astype(mx.float32) / temperature, axis=-1)
+    if top_p < 1.0:
+        # mlx-lm's rule: keep the tokens whose ascending cumulative probability exceeds 1 - top_p.
+        order = mx.argsort(probs, axis=-1)
+        sorted_probs = mx.take_along_axis(probs, order, axis=-1)
+        keep_sorted = mx.cumsum(sorted_probs, axis=-1) > 1 - top_p
+        keep = mx.put_along_axis(mx.zeros_like(keep_sorted), order, keep_sorted, axis=-1)
+        probs = mx.where(keep, probs, 0.0)
+        probs = probs / probs.sum(axis=-1, keepdims=True)
+    return probs
+
+
+def greedy_accept(beams: mx.array, beam_logits: mx.array) -> Accepted:
+    """beams (W, L) with the target's own token at depth 0; beam_logits (W, L, V): the target's
+    logits after each beam token. Longest accepted run over all beams."""
+    target = mx.argmax(beam_logits, axis=-1)  # (W, L)
+    matches = (beams[:, 1:] == target[:, :-1]).astype(mx.int32)  # (W, L-1)
+    run = mx.cumprod(matches, axis=-1).sum(axis=-1)  # (W,) accepted drafts per beam
+    beam = mx.argmax(run)  # first beam among the longest: ties go to the better-scored beam
+    num_accepted = run[beam]
+    next_token = target[beam, num_accepted]
+    return Accepted(beam, num_accepted, next_token)
+
+
+def _categorical(probs: mx.array, key: Optional[mx.array]) -> mx.array:
+    return mx.random.categorical(mx.log(mx.maximum(probs, _TINY)), key=key)
+
+
+def sampling_accept(beams: mx.array, target: mx.array, draft: mx.array,
+                    key: Optional[mx.array] = None) -> Accepted:
+    """Multi-candidate rejection sampling over independently sampled draft beams.
+
+    beams  (W, L)    depth 0 is the target's own token, shared by all beams
+    target (W, L, V) the target's distribution after each beam token (p), equal for equal prefixes
+    draft  (W, L-1, V) the draft distribution each beam's token at depth j+1 was drawn from (q)
+
+    Unrolled over depths and beams (W and L are small), with `where` instead of branches so the
+    whole rule stays one lazy graph.
+    """
+    W, L = beams.shape
+    keys = mx.random.split(key, W * (L - 1) + 1) if key is not None else [None] * (W * (L - 1) + 1)
+    uniforms = mx.random.uniform(shape=(L - 1, W), key=keys[0])  # one U per (depth, candidate)
+
+    alive = mx.ones((W,), dtype=mx.bool_)  # beams whose prefix equals the accepted prefix so far
+    beam = mx.array(0)  # a beam on the accepted prefix (beam 0 at depth 0: all share the token)
+    num_accepted = mx.array(0)
+    stopped = mx.array(False)
+    next_token = mx.array(0)
+    for depth in range(L - 1):
+        residual = target[beam, depth]  # (V,) p at the current node
+        accepted_here = mx.array(False)
+        chosen = beam
+        for w in range(W):
+            candidate = beams[w, depth + 1]
+            q = draft[w, depth]  # (V,)
+            eligible = alive[w] & ~stopped & ~accepted_here
+            ratio = residual[candidate] / mx.maximum(q[candidate], _TINY)
+            accept = eligible & (uniforms[depth, w] < ratio)
+            reject = eligible & ~accept
+            leftover = mx.maximum(residual - q, 0.0)
+            leftover = leftover / mx.maximum(leftover.sum(), _TINY)
+            residual = mx.where(reject, leftover, residual)
+            chosen = mx.where(accept, w, chosen)
+            accepted_here = accepted_here | accept
+        # no candidate accepted at this depth: the next token comes from the residual
+        rejected_all = ~stopped & ~accepted_here
+        resampled = _categorical(residual, keys[1 + depth * W])
+        next_token = mx.where(rejected_all, resampled, next_token)
+        stopped = stopped | rejected_all
+        num_accepted = num_accepted + accepted_here.astype(mx.int32)
+        beam = mx.where(accepted_here, chosen, beam)
+        alive = alive & mx.where(accepted_here, beams[:, depth + 1] == beams[chosen, depth + 1], True)
+    bonus = _categorical(target[beam, L - 1], keys[-1])
+    next_token = mx.where(stopped, next_token, bonus)
+    return Accepted(beam, num_accepted, next_token)

@@ -1,0 +1,1 @@
+"""ReDrafter's recurrent draft head: the module, its distillation data and its training."""

@@ -1,0 +1,120 @@
+"""ReDrafter's drafting and dynamic tree attention.
+
+`beam_search` (greedy mode) and `sample_beams` (sampling mode) run the RNN draft head for L-1 steps
+and return W candidate continuations, each starting with the token the target model just produced.
+Both are one lazy MLX graph: no `.item()`, `.tolist()` or numpy inside.
+
+Beams share prefixes (every beam starts with the same token, and beam search keeps siblings), so
+verifying all W*L tokens would repeat work. `dedup_prefix` finds, for every (beam, depth), the
+first beam with the same prefix; `pack_beams` keeps each distinct prefix once, in one sequence
+with per-token depths and a tree mask (`masks.prefix_tree_mask`), and an index that unpacks the
+verified logits back to (W, L).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+Embed = Callable[[mx.array], mx.array]  # token ids (...,) -> embeddings (..., E): the LLM's own table
+
+
+class Drafts(NamedTuple):
+    beams: mx.array  # (B, W, L) int32 token ids; [:, :, 0] is the target's own token
+    draft_probs: mx.array | None  # (B, W, L-1, K) draft-vocab distribution of each drafted token
+
+
+def _start(head, embed: Embed, hidden: mx.array, first_token: mx.array, width: int):
+    B = first_token.shape[0]
+    state = head.initial_state(embed(first_token))  # (B, E)
+    state = mx.broadcast_to(state[:, None, :], (B, width, state.shape[-1]))  # (B, W, E)
+    hidden = mx.broadcast_to(hidden[:, None, :], (B, width, hidden.shape[-1]))  # (B, W, D)
+    beams = mx.broadcast_to(first_token[:, None, None], (B, width, 1)).astype(mx.int32)  # (B, W, 1)
+    return state, hidden, beams
+
+
+def beam_search(head, embed: Embed, hidden: mx.array, first_token: mx.array, width: int, length: int) -> Drafts:
+    """hidden (B, D): the target's last hidden state; first_token (B,): its own next token.
+
+    Beam 0 starts at log-probability 0 and the others far below, so the first expansion takes W
+    distinct children of the one real start instead of W copies of the best one.
+    """
+    B = first_token.shape[0]
+    K = head.config.draft_vocab_size
+    state, hidden, beams = _start(head, embed, hidden, first_token, width)
+    scores = mx.broadcast_to(mx.array([0.0] + [-1e9] * (width - 1)), (B, width))  # (B, W)
+    for _ in range(length - 1):
+        logits = head.logits(state, hidden).astype(mx.float32)  # (B, W, K)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        candidates = (scores[..., None] + logprobs).reshape(B, width * K)  # (B, W*K)
+        if width == 1:
+            top = mx.argmax(candidates, axis=-1, keepdims=True)  # (B, 1)
+        else:
+            top = mx.argpartition(-candidates, kth=width - 1, axis=-1)[:, :width]  # (B, W) unordered
+            order = mx.argsort(-mx.take_along_axis(candidates, top, axis=-1), axis=-1)
+            top = mx.take_along_axis(top, order, axis=-1)  # best first: beam 0 is the best beam
+        scores = mx.take_along_axis(candidates, top, axis=-1)
+        parent, draft_token = top // K, top % K  # (B, W)
+        token = head.draft_to_full[draft_token]  # (B, W) full-vocabulary ids
+        beams = mx.concatenate([mx.take_along_axis(beams, parent[..., None], axis=1), token[..., None]], axis=-1)
+        state = mx.take_along_axis(state, parent[..., None], axis=1)  # (B, W, E)
+        state = head.next_state(state, embed(token))
+    return Drafts(beams, None)
+
+
+def sample_beams(head, embed: Embed, hidden: mx.array, first_token: mx.array, width: int, length: int,
+                 temperature: float, key: mx.array | None = None) -> Drafts:
+    """W independent draft chains sampled from the head at `temperature` (sampling mode: the
+    acceptance rule needs drafts drawn from q, not chosen by beam search)."""
+    state, hidden, beams = _start(head, embed, hidden, first_token, width)
+    keys = mx.random.split(key, length) if key is not None else [None] * length
+    probs = []
+    for step in range(length - 1):
+        logits = head.logits(state, hidden).astype(mx.float32) / temperature  # (B, W, K)
+        probs.append(mx.softmax(logits, axis=-1))
+        token = head.draft_to_full[mx.random.categorical(logits, key=keys[step])]  # (B, W)
+        beams = mx.concatenate([beams, token[..., None]], axis=-1)
+        state = head.next_state(state, embed(token))
+    return Drafts(beams, mx.stack(probs, axis=2))  # probs (B, W, L-1, K)
+
+
+def dedup_prefix(beams: mx.array) -> mx.array:
+    """beams (B, W, L) -> owner (B, W, L): the smallest beam index k with beams[k, :j+1] == beams[w, :j+1].
+
+    Token (w, j) is verified only if owner[w, j] == w; otherwise beam `owner` carries the same prefix.
+    """
+    same = beams[:, :, None, :] == beams[:, None, :, :]  # (B, W, W, L): token j equal in beams w and k
+    same_prefix = mx.cumprod(same.astype(mx.int32), axis=-1)  # (B, W, W, L): equal through depth j
+    return mx.argmax(same_prefix, axis=2).astype(mx.int32)  # first k (argmax takes the first max)
+
+
+class PackedTree(NamedTuple):
+    tokens: np.ndarray  # (N,) distinct prefix tokens in topological (beam-major) order
+    parents: np.ndarray  # (N,) index of each token's parent in the packing, -1 for the root(s)
+    depths: np.ndarray  # (N,) depth in its beam: position = prefix length + depth
+    index: np.ndarray  # (W, L) packed index of every beam token (shared prefixes share an index)
+
+
+def pack_beams(beams: np.ndarray, owner: np.ndarray) -> PackedTree:
+    """Host-side packing of one row, from the owner table: a few dozen integers per step.
+
+    beams, owner: (W, L). Beam-major order is topological: a token's parent is either earlier in
+    its own beam or in a lower-indexed beam that owns the shared prefix.
+    """
+    W, L = beams.shape
+    index = np.empty((W, L), dtype=np.int32)
+    tokens, parents, depths = [], [], []
+    for w in range(W):
+        for j in range(L):
+            k = owner[w, j]
+            if k != w:  # the prefix through depth j is carried by beam k < w
+                index[w, j] = index[k, j]
+                continue
+            index[w, j] = len(tokens)
+            tokens.append(beams[w, j])
+            parents.append(index[w, j - 1] if j > 0 else -1)
+            depths.append(j)
+    return PackedTree(np.array(tokens, dtype=np.int32), np.array(parents, dtype=np.int32),
+                      np.array(depths, dtype=np.int32), index)

@@ -1,0 +1,188 @@
+"""ReDrafter's recurrent draft head (Cheng et al., arXiv 2403.09919), for one LLM.
+
+    s_1 = e_1                                   e_t: the LLM's own (frozen) token embedding
+    s_t = SiLU(U s_{t-1} + W e_t + b)            RNN state, size E (the embedding size)
+    g_t = [s_t, h]                               h: the LLM's last final-norm hidden state
+    g  <- g + SiLU(Linear(g))   (num_blocks times)
+    logits_t = Linear(g, K)                      over the draft vocabulary
+
+The caller embeds tokens with the LLM's `embed_tokens`; the head owns only U, W, b, the blocks
+and the projection. The projection covers a draft vocabulary of the K most frequent tokens of
+the distillation answers instead of the LLM's full vocabulary (for SmolLM2-135M a full
+1152 x 49152 projection is ~40% of the LLM's parameters, paid every beam step);
+`draft_to_full` maps draft index -> LLM token id and `full_to_draft` the other way (-1 = none).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import UserError
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+class DrafterMismatch(UserError):
+    """The drafter was trained for another model (hidden size, vocabulary or tokenizer)."""
+
+
+@dataclass
+class DrafterConfig:
+    llm_hidden_size: int  # the LLM's final hidden size (576 for SmolLM2-135M)
+    embed_size: int  # the LLM's token-embedding size; the RNN state has this size
+    vocab_size: int  # the LLM's full vocabulary
+    draft_vocab_size: int  # K: size of the draft vocabulary
+    num_blocks: int = 2  # residual blocks x + SiLU(Linear(x)) on [s_t, h]
+    draft_length: int = 5  # tokens trained to predict after the LLM's own token
+    model_name: str = ""
+    tokenizer_hash: str = ""
+
+    @property
+    def width(self) -> int:
+        return self.llm_hidden_size + self.embed_size
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """sha256 of the tokenizer's vocabulary (token -> id), independent of dict order."""
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    vocab = inner.get_vocab()
+    items = sorted(vocab.items(), key=lambda kv: (kv[1], kv[0]))
+    return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+class DrafterHead(nn.Module):
+    def __init__(self, config: DrafterConfig, draft_to_full: Optional[Union[Sequence[int], mx.array]] = None):
+        super().__init__()
+        self.config = config
+        E, D, K = config.embed_size, config.llm_hidden_size, config.draft_vocab_size
+        self.U = nn.Linear(E, E, bias=False)
+        self.W = nn.Linear(E, E, bias=True)  # its bias is b
+        self.blocks = [nn.Linear(D + E, D + E) for _ in range(config.num_blocks)]
+        self.proj = nn.Linear(D + E, K)
+        if draft_to_full is None:
+            if K != config.vocab_size:
+                raise ValueError("draft_to_full is required when the draft vocabulary is not the full one")
+            draft_to_full = mx.arange(K)
+        self.set_draft_vocab(draft_to_full)
+
+    # Underscore names keep the vocabulary maps out of `parameters()` (never trained).
+    def set_draft_vocab(self, draft_to_full) -> None:
+        d2f = mx.array(draft_to_full, dtype=mx.int32) if not isinstance(draft_to_full, mx.array) \
+            else draft_to_full.astype(mx.int32)
+        K, V = self.config.draft_vocab_size, self.config.vocab_size
+        if d2f.shape != (K,):
+            raise ValueError(f"draft_to_full has shape {d2f.shape}, expected ({K},)")
+        f2d = mx.full((V,), -1, dtype=mx.int32)
+        f2d[d2f] = mx.arange(K, dtype=mx.int32)
+        self._draft_to_full = d2f
+        self._full_to_draft = f2d
+
+    @property
+    def draft_to_full(self) -> mx.array:  # (K,) int32
+        return self._draft_to_full
+
+    @property
+    def full_to_draft(self) -> mx.array:  # (V,) int32, -1 for tokens outside the draft vocabulary
+        return self._full_to_draft
+
+    def initial_state(self, token_embedding: mx.array) -> mx.array:
+        return token_embedding  # s_1 = e_1   (..., E)
+
+    def next_state(self, state: mx.array, token_embedding: mx.array) -> mx.array:
+        return nn.silu(self.U(state) + self.W(token_embedding))  # (..., E)
+
+    def logits(self, state: mx.array, hidden: mx.array) -> mx.array:
+        if hidden.shape[:-1] != state.shape[:-1]:
+            hidden = mx.broadcast_to(hidden, state.shape[:-1] + hidden.shape[-1:])
+        g = mx.concatenate([state, hidden.astype(state.dtype)], axis=-1)  # (..., D+E)
+        for block in self.blocks:
+            g = g + nn.silu(block(g))
+        return self.proj(g)  # (..., K)
+
+    def num_params(self) -> int:
+        from mlx.utils import tree_flatten
+
+        return sum(v.size for _, v in tree_flatten(self.parameters()))
+
+
+def save_drafter(head: DrafterHead, directory, dtype=mx.float16) -> Path:
+    """Write config.json + model.safetensors (weights in `dtype`, plus draft_to_full int32)."""
+    from mlx.utils import tree_flatten
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.astype(dtype) for k, v in tree_flatten(head.parameters())}
+    weights["draft_to_full"] = head.draft_to_full
+    mx.save_safetensors(str(directory / WEIGHTS_FILE), weights)
+    (directory / CONFIG_FILE).write_text(json.dumps(asdict(head.config), indent=2) + "\n")
+    return directory
+
+
+def read_drafter_config(directory) -> DrafterConfig:
+    directory = Path(directory)
+    path = directory / CONFIG_FILE
+    if not directory.is_dir():
+        raise UserError(f"no drafter directory {directory}")
+    if not path.exists():
+        raise UserError(f"{directory} has no {CONFIG_FILE}: not a drafter directory")
+    try:
+        raw = json.loads(path.read_text())
+        known = {f.name for f in fields(DrafterConfig)}
+        return DrafterConfig(**{k: v for k, v in raw.items() if k in known})
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
+        raise UserError(f"corrupt drafter config {path}: {type(exc).__name__}") from None
+
+
+def llm_shapes(lm) -> tuple:
+    """(hidden size, embedding size, vocab size) of a LoadedModel."""
+    args = lm.model.args
+    hidden = int(args.hidden_size)
+    vocab = int(args.vocab_size)
+    return hidden, hidden, vocab  # Llama-family: token embeddings have the hidden size
+
+
+def check_compatible(config: DrafterConfig, lm, where: str = "drafter") -> None:
+    hidden, embed, vocab = llm_shapes(lm)
+    name = lm.name
+    if config.llm_hidden_size != hidden:
+        raise DrafterMismatch(f"{where} was trained for hidden size {config.llm_hidden_size} "
+                              f"({config.model_name or 'another model'}), but {name} has {hidden}")
+    if config.embed_size != embed:
+        raise DrafterMismatch(f"{where} expects embedding size {config.embed_size}, but {name} has {embed}")
+    if config.vocab_size != vocab:
+        raise DrafterMismatch(f"{where} was trained for vocabulary size {config.vocab_size} "
+                              f"({config.model_name or 'another model'}), but {name} has {vocab}")
+    if config.tokenizer_hash and config.tokenizer_hash != tokenizer_hash(lm.tokenizer):
+        raise DrafterMismatch(f"{where} was trained with another tokenizer "
+                              f"({config.model_name or 'unknown model'}) than {name}'s")
+
+
+def load_drafter(directory, lm, dtype=mx.float32) -> DrafterHead:
+    """Load a drafter for `lm`; refuses one trained for another model (DrafterMismatch)."""
+    directory = Path(directory)
+    config = read_drafter_config(directory)
+    check_compatible(config, lm, where=f"drafter {directory}")
+    path = directory / WEIGHTS_FILE
+    if not path.exists():
+        raise UserError(f"{directory} has no {WEIGHTS_FILE}")
+    try:
+        weights = mx.load(str(path))
+    except Exception as exc:
+        raise UserError(f"corrupt drafter weights {path}: {type(exc).__name__}") from None
+    if "draft_to_full" not in weights:
+        raise UserError(f"corrupt drafter weights {path}: no draft_to_full")
+    head = DrafterHead(config, weights.pop("draft_to_full"))
+    try:
+        head.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=True)
+    except ValueError as exc:
+        raise UserError(f"corrupt drafter weights {path}: {str(exc).splitlines()[0]}") from None
+    mx.eval(head.parameters(), head.draft_to_full, head.full_to_draft)
+    return head

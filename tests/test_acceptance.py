@@ -1,0 +1,102 @@
+"""Acceptance rules: greedy longest-prefix, and rejection sampling that preserves the target's
+distribution exactly (checked with a chi-square test at a fixed seed)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_specdec.acceptance import greedy_accept, sampling_accept, target_probs
+
+# chi-square critical values at p = 0.001 (df -> value); a correct sampler fails 1 in 1000 seeds
+CHI2_CRITICAL_001 = {2: 13.82, 3: 16.27, 4: 18.47}
+
+
+def one_hot_logits(targets, vocab=10):
+    logits = np.full(targets.shape + (vocab,), -5.0, dtype=np.float32)
+    np.put_along_axis(logits, targets[..., None], 5.0, axis=-1)
+    return mx.array(logits)
+
+
+@pytest.mark.parametrize("beams,targets,want", [
+    # beams (W, L) start with the target's own token; targets[w, j] = target argmax after beam token j
+    ([[1, 2, 3, 4]], [[2, 3, 4, 9]], (0, 3, 9)),  # all drafts accepted, bonus token 9
+    ([[1, 2, 3, 4]], [[2, 7, 4, 9]], (0, 1, 7)),  # second draft rejected: target's 7 replaces it
+    ([[1, 5, 3, 4]], [[2, 3, 4, 9]], (0, 0, 2)),  # nothing accepted: one token per step
+    ([[1, 2, 5, 6], [1, 2, 3, 4]], [[2, 3, 0, 0], [2, 3, 4, 8]], (1, 3, 8)),  # the longer beam wins
+    ([[1, 2, 3, 0], [1, 2, 3, 4]], [[2, 3, 5, 0], [2, 3, 5, 0]], (0, 2, 5)),  # tie -> the first beam
+])
+def test_greedy_accept(beams, targets, want):
+    result = greedy_accept(mx.array(beams), one_hot_logits(np.array(targets)))
+    assert (result.beam.item(), result.num_accepted.item(), result.next_token.item()) == want
+
+
+def test_target_probs_top_p_keeps_the_nucleus():
+    logits = mx.log(mx.array([0.5, 0.3, 0.15, 0.05]))
+    probs = np.array(target_probs(logits, 1.0, top_p=0.75))
+    np.testing.assert_allclose(probs, [0.5 / 0.8, 0.3 / 0.8, 0, 0], atol=1e-6)
+    np.testing.assert_allclose(np.array(target_probs(logits, 1.0)), [0.5, 0.3, 0.15, 0.05], atol=1e-6)
+
+
+VOCAB = 4
+
+
+def _table(seed, sharp):
+    """A distribution for every prefix (over VOCAB tokens): p or q as a fixed random function."""
+    rng = np.random.default_rng(seed)
+    cache = {}
+
+    def dist(prefix):
+        key = tuple(prefix)
+        if key not in cache:
+            logits = rng.normal(size=VOCAB) * sharp
+            cache[key] = np.exp(logits) / np.exp(logits).sum()
+        return cache[key]
+
+    return dist
+
+
+def _chi2(counts, probs):
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_sampling_accept_reproduces_the_target_distribution(width):
+    """Draft W chains of length L from q, accept with the multi-candidate rule, and check that the
+    first emitted token is distributed as p(.|x) and the second (when the step emits it) as
+    p(.|x, first)."""
+    p, q = _table(1, 1.0), _table(2, 1.5)  # a mismatched draft: plenty of rejections
+    length, runs = 3, 3000
+    rng = np.random.default_rng(0)
+    mx.random.seed(0)
+    first_counts = np.zeros(VOCAB)
+    second_counts = {a: np.zeros(VOCAB) for a in range(VOCAB)}
+    x = 0
+    for _ in range(runs):
+        beams = np.zeros((width, length), dtype=np.int32)
+        draft = np.zeros((width, length - 1, VOCAB), dtype=np.float32)
+        for w in range(width):
+            for j in range(length - 1):
+                qd = q(beams[w, : j + 1])
+                draft[w, j] = qd
+                beams[w, j + 1] = rng.choice(VOCAB, p=qd)
+        target = np.array([[p(beams[w, : j + 1]) for j in range(length)] for w in range(width)],
+                          dtype=np.float32)
+        r = sampling_accept(mx.array(beams), mx.array(target), mx.array(draft))
+        beam, n, nxt = r.beam.item(), r.num_accepted.item(), r.next_token.item()
+        emitted = list(beams[beam, 1 : n + 1]) + [nxt]
+        first_counts[emitted[0]] += 1
+        if len(emitted) >= 2:
+            second_counts[emitted[0]][emitted[1]] += 1
+    assert _chi2(first_counts, p([x])) < CHI2_CRITICAL_001[VOCAB - 1]
+    for a, counts in second_counts.items():
+        if counts.sum() >= 200:
+            assert _chi2(counts, p([x, a])) < CHI2_CRITICAL_001[VOCAB - 1], a
+
+
+def test_sampling_accept_takes_drafts_the_target_agrees_with():
+    """Draft == target: every draft is accepted (p/q = 1), then a bonus token."""
+    beams = mx.array([[0, 1, 2]])
+    dist = mx.array([[[0.1, 0.2, 0.3, 0.4]] * 3])
+    r = sampling_accept(beams, dist, dist[:, :2])
+    assert r.num_accepted.item() == 2

@@ -1,0 +1,146 @@
+"""ReDrafter decoding on tiny random Llamas: greedy output identical to plain decoding, for a
+random draft head (few acceptances) and a bigram "oracle" head (many), across beam shapes."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlx_specdec.decoding import GenerationParams
+from mlx_specdec.decoding.redrafter import NoDrafter
+from mlx_specdec.drafter.head import DrafterConfig, DrafterHead
+from mlx_specdec.engine import Engine
+
+from conftest import make_tiny_lm
+
+PROMPTS = [[5, 17, 42, 3], [60, 61, 9, 9, 9, 33, 71], [88, 12]]
+
+
+def run(engine, prompt, method, **params):
+    events = list(engine.generate_ids(prompt, method, GenerationParams(**params)))
+    tokens = [t for e in events if e.kind == "token" for t in e.tokens]
+    return tokens, events[-1].stats
+
+
+def random_head(lm, draft_vocab=50, seed=0):
+    mx.random.seed(seed)
+    config = DrafterConfig(llm_hidden_size=64, embed_size=64, vocab_size=97, draft_vocab_size=draft_vocab)
+    ids = np.random.default_rng(seed).permutation(97)[:draft_vocab]
+    head = DrafterHead(config, mx.array(ids))
+    mx.eval(head.parameters())
+    return head
+
+
+class BigramOracle(nn.Module):
+    """A stand-in head with the DrafterHead interface that knows the model's greedy bigrams.
+
+    The state is the last token's embedding; `logits` recovers the token (embeddings are scaled up,
+    so the nearest row is the token itself) and looks its successor up in a table built from the
+    target's own greedy output -- right most of the time, wrong where a token recurs with different
+    successors or the table was corrupted on purpose.
+    """
+
+    def __init__(self, embed_weight, table, vocab):
+        super().__init__()
+        self.config = DrafterConfig(64, 64, vocab, vocab)
+        self._embed, self._table = embed_weight, table  # (V, E), (V, V) logits
+        self.draft_to_full = mx.arange(vocab)
+
+    def initial_state(self, e):
+        return e
+
+    def next_state(self, state, e):
+        return e
+
+    def logits(self, state, hidden):
+        token = mx.argmax(state @ self._embed.T, axis=-1)
+        return self._table[token]
+
+
+def oracle_head(lm, prompts, corrupt=0.2, seed=0):
+    engine = Engine(lm, drafter=None)
+    rng = np.random.default_rng(seed)
+    table = rng.normal(size=(97, 97)).astype(np.float32)
+    for prompt in prompts:
+        tokens, _ = run(engine, prompt, "ar", max_tokens=40)
+        seq = prompt + tokens
+        for a, b in zip(seq, seq[1:]):
+            if rng.random() > corrupt:
+                table[a, b] = 20.0
+    return BigramOracle(lm.model.model.embed_tokens.weight, mx.array(table), 97)
+
+
+def engine_with(lm, head):
+    engine = Engine(lm, drafter=None)
+    engine._resources["drafter"] = head
+    return engine
+
+
+@pytest.mark.parametrize("width,length", [(1, 2), (1, 5), (2, 4), (4, 3), (3, 6)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_redrafter_equals_plain_decoding_with_a_random_head(width, length, seed):
+    lm = make_tiny_lm(seed=seed, eos_id=96)
+    engine = engine_with(lm, random_head(lm, seed=seed))
+    for prompt in PROMPTS:
+        want, _ = run(engine, prompt, "ar", max_tokens=30)
+        got, stats = run(engine, prompt, "redrafter", max_tokens=30,
+                         options={"beam_width": width, "beam_length": length})
+        assert got == want
+        assert len(stats.extra["acceptance_per_position"]) == length - 1
+
+
+@pytest.mark.parametrize("width,length", [(1, 5), (2, 4), (4, 5)])
+def test_greedy_redrafter_equals_plain_decoding_with_accepted_drafts(width, length):
+    lm = make_tiny_lm(seed=3, eos_id=96)
+    engine = engine_with(lm, oracle_head(lm, PROMPTS))
+    accepted = 0
+    for prompt in PROMPTS:
+        want, _ = run(engine, prompt, "ar", max_tokens=40)
+        got, stats = run(engine, prompt, "redrafter", max_tokens=40,
+                         options={"beam_width": width, "beam_length": length})
+        assert got == want
+        assert stats.forward_passes < stats.generated_tokens  # drafts were really accepted
+        accepted += stats.accepted
+        if width > 1:
+            assert stats.extra["tree_tokens_after_dedup"] < stats.extra["tree_tokens_before_dedup"]
+    assert accepted > 0
+
+
+def test_eos_and_max_tokens_inside_an_accepted_run():
+    lm = make_tiny_lm(seed=3, eos_id=96)
+    engine = engine_with(lm, oracle_head(lm, PROMPTS, corrupt=0.0))
+    want, _ = run(engine, PROMPTS[0], "ar", max_tokens=40)
+    for n in (1, 2, 3, 7, 11):
+        got, stats = run(engine, PROMPTS[0], "redrafter", max_tokens=n, options={"beam_length": 5})
+        assert got == want[:n] and stats.finish_reason == "length"
+    eos = want[6]
+    stopping = make_tiny_lm(seed=3, eos_id=eos)
+    got, stats = run(engine_with(stopping, oracle_head(lm, PROMPTS, corrupt=0.0)), PROMPTS[0],
+                     "redrafter", max_tokens=40, options={"beam_length": 5})
+    assert got == want[: want.index(eos)] and stats.finish_reason == "stop"
+
+
+def test_stopping_early_leaves_the_engine_reusable():
+    lm = make_tiny_lm(seed=3, eos_id=96)
+    engine = engine_with(lm, oracle_head(lm, PROMPTS))
+    stream = engine.generate_ids(PROMPTS[1], "redrafter", GenerationParams(max_tokens=40))
+    next(e for e in stream if e.kind == "token")
+    stream.close()
+    want, _ = run(engine, PROMPTS[1], "ar", max_tokens=20)
+    got, _ = run(engine, PROMPTS[1], "redrafter", max_tokens=20)
+    assert got == want
+
+
+def test_seeded_sampling_is_reproducible():
+    lm = make_tiny_lm(seed=3, eos_id=96)
+    engine = engine_with(lm, oracle_head(lm, PROMPTS))
+    options = {"beam_width": 2, "beam_length": 4}
+    a, _ = run(engine, PROMPTS[0], "redrafter", max_tokens=25, temperature=1.0, seed=7, options=options)
+    b, _ = run(engine, PROMPTS[0], "redrafter", max_tokens=25, temperature=1.0, seed=7, options=options)
+    assert a == b and len(a) == 25
+
+
+def test_redrafter_without_a_head_is_a_clear_error():
+    engine = Engine(make_tiny_lm(), drafter=None)
+    with pytest.raises(NoDrafter, match="redrafter needs a draft head"):
+        run(engine, PROMPTS[0], "redrafter")
