@@ -1,4 +1,4 @@
-"""`mlx-specdec`: generate, chat, bench, convert, quantize, fetch.
+"""`mlx-specdec`: generate, chat, bench, train-drafter, convert, quantize, fetch.
 
 Errors a user can cause end in one line on stderr and exit status 1; Ctrl-C exits 130.
 """
@@ -232,6 +232,34 @@ def cmd_quantize(args) -> int:
     return run_quantize(args)
 
 
+def cmd_train_drafter(args) -> int:
+    from .drafter.train import TrainConfig, run_pipeline
+    from .model.default import home
+
+    if args.draft_vocab <= 0 or args.draft_length <= 0 or args.batch_size <= 0:
+        raise UserError("--draft-vocab, --draft-length and --batch-size must be positive")
+    if args.epochs <= 0 or args.lr <= 0:
+        raise UserError("--epochs and --lr must be positive")
+    prompts = Path(args.prompts)
+    if not prompts.exists():
+        raise UserError(f"no prompt file {prompts}")
+    if prompts.resolve() == (Path(__file__).resolve().parents[1] / "benchmarks" / "prompts.jsonl"):
+        raise UserError("benchmarks/prompts.jsonl is the benchmark set; never train on it")
+    engine = _load_engine(args)
+    tag = Path(args.output).name
+    data_dir = Path(args.data_dir) if args.data_dir else home() / "drafter-data" / tag
+    ckpt = Path(args.checkpoint_dir) if args.checkpoint_dir else home() / "drafter-checkpoints" / tag
+    cfg = TrainConfig(draft_vocab_size=args.draft_vocab, draft_length=args.draft_length,
+                      num_blocks=args.blocks, batch_size=args.batch_size, epochs=args.epochs,
+                      lr=args.lr, seed=args.seed, checkpoint_every=args.checkpoint_every,
+                      max_steps=args.max_steps)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    run_pipeline(engine.lm, prompts, data_dir, Path(args.output), ckpt, cfg,
+                 max_new_tokens=args.max_new_tokens, data_batch=args.data_batch,
+                 measure_k=not args.skip_k_measure, log=log)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mlx-specdec",
@@ -275,6 +303,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", "-o", default=None, help="write the report here (default: stdout)")
     p.set_defaults(func=cmd_bench)
 
+    p = sub.add_parser("train-drafter", help="distil a ReDrafter draft head for a model",
+                       description="Generate the model's own greedy answers to a prompt set "
+                                   "(resumable), then train a ReDrafter RNN draft head on its "
+                                   "hidden states (resumable from checkpoints), evaluate it on "
+                                   "held-out prompts and save it with a training.json report.")
+    _add_model_args(p)
+    p.add_argument("--prompts", default="data/train_prompts.jsonl",
+                   help="JSON lines with id and prompt fields (default: %(default)s)")
+    p.add_argument("--output", "-o", default="models/drafter-smollm2-135m",
+                   help="where the head is saved (default: %(default)s)")
+    p.add_argument("--data-dir", default=None,
+                   help="distillation cache (default: $MLX_SPECDEC_HOME/drafter-data/<output name>)")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="training checkpoints (default: $MLX_SPECDEC_HOME/drafter-checkpoints/<output name>)")
+    p.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap (default: %(default)s)")
+    p.add_argument("--data-batch", type=int, default=32, help="prompts per generation batch (default: %(default)s)")
+    p.add_argument("--draft-vocab", type=int, default=4096,
+                   help="K most frequent answer tokens the head predicts (default: %(default)s)")
+    p.add_argument("--draft-length", type=int, default=5, help="tokens trained per window (default: %(default)s)")
+    p.add_argument("--blocks", type=int, default=2, help="residual blocks (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=256, help="windows per step (default: %(default)s)")
+    p.add_argument("--epochs", type=float, default=2.0, help="epochs (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="init and data-order seed (default: %(default)s)")
+    p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (default: %(default)s)")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this step (resume later)")
+    p.add_argument("--skip-k-measure", action="store_true", help="skip the draft-vocabulary coverage/timing table")
+    p.set_defaults(func=cmd_train_drafter)
+
     p = sub.add_parser("convert", help="convert a GGUF file or HF model into an MLX directory",
                        description="Convert a Llama-family GGUF file or Hugging Face model "
                                    "(directory or repo id) into an MLX model directory.")
@@ -301,10 +358,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    return run_guarded(args.func, args)
+
+
+def run_guarded(func, args) -> int:
+    """Run a command: user errors -> one line + exit 1, Ctrl-C -> 130, closed pipe -> 0."""
     try:
-        return args.func(args)
+        return func(args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

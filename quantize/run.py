@@ -114,15 +114,9 @@ def run_quantize(args) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m quantize.run", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run_quantize(args)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
+    from mlx_specdec.cli import run_guarded
+
+    return run_guarded(run_quantize, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

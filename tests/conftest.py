@@ -78,3 +78,12 @@ def save_tiny_model_dir(path, context: int = 512, seed: int = 0):
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(lm.model.parameters())))
     lm.tokenizer._tokenizer.save_pretrained(str(path))
     return path
+
+
+def tree_path(parents, i):
+    """Indices on token i's path from its root, root first (parents[i] = -1 for a root)."""
+    path = []
+    while i >= 0:
+        path.append(i)
+        i = parents[i]
+    return path[::-1]

@@ -10,7 +10,7 @@ from mlx_specdec import masks
 from mlx_specdec.cache import ContiguousKVCache
 from mlx_specdec.model.forward import forward, rope_at
 
-from conftest import make_tiny_llama
+from conftest import make_tiny_llama, tree_path
 
 PREFIX = [5, 17, 42, 3, 88, 11, 60]
 
@@ -106,13 +106,6 @@ TREE_TOKENS = [30, 31, 32, 33, 34, 35, 36, 37]
 TREE_PARENTS = [-1, 0, 1, 2, 1, 0, 5, -1]
 
 
-def _root_path(parents, i):
-    path = []
-    while i >= 0:
-        path.append(i)
-        i = parents[i]
-    return path[::-1]
-
 
 def _prefilled(model, prefix):
     cache = ContiguousKVCache.for_model(model)
@@ -135,7 +128,7 @@ def test_tree_verification_matches_each_branch_alone(tie):
     assert cache.offset == len(PREFIX) + len(TREE_TOKENS)
 
     for i in range(len(TREE_TOKENS)):
-        path = _root_path(TREE_PARENTS, i)
+        path = tree_path(TREE_PARENTS, i)
         sequence = PREFIX + [TREE_TOKENS[j] for j in path]
         alone = forward(model, mx.array(sequence)[None]).logits[0, -1]
         np.testing.assert_allclose(_np(tree_logits[0, i]), _np(alone), atol=1e-4, rtol=1e-4)
@@ -184,7 +177,7 @@ def test_quantized_tree_verification():
     cache = _prefilled(model, PREFIX)
     tree_logits = _verify_tree(model, cache, len(PREFIX))
     for i in (3, 4, 6, 7):
-        sequence = PREFIX + [TREE_TOKENS[j] for j in _root_path(TREE_PARENTS, i)]
+        sequence = PREFIX + [TREE_TOKENS[j] for j in tree_path(TREE_PARENTS, i)]
         alone = forward(model, mx.array(sequence)[None]).logits[0, -1]
         np.testing.assert_allclose(_np(tree_logits[0, i]), _np(alone), atol=1e-4, rtol=1e-4)
 

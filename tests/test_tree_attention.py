@@ -9,7 +9,7 @@ from mlx_specdec.cache import ContiguousKVCache
 from mlx_specdec.drafter.beam import dedup_prefix, pack_beams
 from mlx_specdec.model.forward import forward
 
-from conftest import make_tiny_llama
+from conftest import make_tiny_llama, tree_path
 
 
 @st.composite
@@ -26,13 +26,6 @@ def beam_sets(draw, max_width=5, max_length=6, vocab=3):
 def _owner(beams: np.ndarray) -> np.ndarray:
     return np.array(dedup_prefix(mx.array(beams)[None])[0])
 
-
-def _path(parents, i):
-    path = []
-    while i >= 0:
-        path.append(i)
-        i = parents[i]
-    return path[::-1]
 
 
 @settings(max_examples=200, deadline=None)
@@ -58,7 +51,7 @@ def test_packing_keeps_each_prefix_once_and_every_token_sees_exactly_its_path(be
     for w in range(W):
         for j in range(L):
             i = tree.index[w, j]
-            path = _path(tree.parents, i)
+            path = tree_path(tree.parents, i)
             assert [tree.tokens[k] for k in path] == list(beams[w, : j + 1])  # own prefix, in order
             assert tree.depths[i] == j
             assert set(np.flatnonzero(mask[i])) == set(path)  # sees its path and nothing else

@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import masks
 from ..acceptance import greedy_accept, sampling_accept, target_probs
-from ..drafter.beam import Drafts, beam_search, dedup_prefix, pack_beams, sample_beams
+from ..drafter.beam import Drafts, compiled_beam_search, dedup_prefix, pack_beams, sample_beams
 from ..errors import UserError
 from ..model.forward import forward
 from .base import DecodeContext, Step, new_contiguous_cache, prefill
@@ -52,10 +52,14 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     greedy = ctx.params.greedy
     temperature, top_p = ctx.params.temperature, ctx.params.top_p
 
-    def draft(hidden: mx.array, token: mx.array) -> Drafts:  # hidden (1, D), token (1,)
+    search = compiled_beam_search(head, embed, width, length) if greedy else None
+
+    def draft(hidden: mx.array, token: mx.array):  # hidden (1, D), token (1,) -> Drafts, owner
         if greedy:
-            return beam_search(head, embed, hidden, token, width, length)
-        return sample_beams(head, embed, hidden, token, width, length, temperature)
+            beams, owner = search(hidden, token)
+            return Drafts(beams, None), owner
+        drafts = sample_beams(head, embed, hidden, token, width, length, temperature)
+        return drafts, dedup_prefix(drafts.beams)
 
     def own_token(logits: mx.array) -> mx.array:  # (V,) -> () the target's own choice
         if greedy:
@@ -77,8 +81,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     prefill(ctx, cache, ctx.prompt[:-1])
     out = forward(model, mx.array(ctx.prompt[-1:])[None], cache, logits_for="last")
     token = own_token(out.logits[0, -1])
-    drafts = draft(out.hidden[:, -1], token[None])
-    owner = dedup_prefix(drafts.beams)
+    drafts, owner = draft(out.hidden[:, -1], token[None])
     token, beams, owner = _read(token, drafts.beams[0], owner[0])  # host sync: first token + drafts
     stats.forward_passes += 1
     committed = cache.offset
@@ -113,8 +116,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
                 mx.eval(result, last)
             t0 = mark("accept_s", t0)
 
-            drafts = draft(out.hidden[0, last][None], result.next_token[None])  # next step, lazily
-            next_owner = dedup_prefix(drafts.beams)
+            drafts, next_owner = draft(out.hidden[0, last][None], result.next_token[None])  # next step, lazily
             if profile:
                 mx.eval(drafts.beams, next_owner)
             t0 = mark("draft_s", t0)
