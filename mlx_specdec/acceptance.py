@@ -50,14 +50,15 @@ def target_probs(logits: mx.array, temperature: float, top_p: float = 1.0) -> mx
 
 
 def greedy_accept(beams: mx.array, beam_logits: mx.array) -> Accepted:
-    """beams (W, L) with the target's own token at depth 0; beam_logits (W, L, V): the target's
-    logits after each beam token. Longest accepted run over all beams."""
-    target = mx.argmax(beam_logits, axis=-1)  # (W, L)
-    matches = (beams[:, 1:] == target[:, :-1]).astype(mx.int32)  # (W, L-1)
-    run = mx.cumprod(matches, axis=-1).sum(axis=-1)  # (W,) accepted drafts per beam
-    beam = mx.argmax(run)  # first beam among the longest: ties go to the better-scored beam
-    num_accepted = run[beam]
-    next_token = target[beam, num_accepted]
+    """beams (..., W, L) with the target's own token at depth 0; beam_logits (..., W, L, V): the
+    target's logits after each beam token. Longest accepted run over the beams (per batch row)."""
+    target = mx.argmax(beam_logits, axis=-1)  # (..., W, L)
+    matches = (beams[..., 1:] == target[..., :-1]).astype(mx.int32)  # (..., W, L-1)
+    run = mx.cumprod(matches, axis=-1).sum(axis=-1)  # (..., W) accepted drafts per beam
+    beam = mx.argmax(run, axis=-1)  # (...) first beam among the longest: the better-scored one
+    num_accepted = mx.take_along_axis(run, beam[..., None], axis=-1)[..., 0]
+    best = mx.take_along_axis(target, beam[..., None, None], axis=-2)[..., 0, :]  # (..., L)
+    next_token = mx.take_along_axis(best, num_accepted[..., None], axis=-1)[..., 0]
     return Accepted(beam, num_accepted, next_token)
 
 

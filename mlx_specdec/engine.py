@@ -21,6 +21,10 @@ class UnknownMethod(UserError):
     pass
 
 
+#: methods that decode several prompts together as rows of one batch
+BATCH_METHODS = {"redrafter"}
+
+
 def check_method(method: str) -> None:
     if method not in STRATEGIES:
         raise UnknownMethod(f"unknown method {method!r} (choose from {', '.join(STRATEGIES)})")
@@ -82,6 +86,23 @@ class Engine:
         check_method(method)
         return stream_events(self.lm, list(prompt_ids), STRATEGIES[method], params or GenerationParams(),
                              method, resources=self._resources_for(method))
+
+    def generate_ids_batch(self, prompts_ids: List[List[int]], method: str = "redrafter",
+                           params: Optional[GenerationParams] = None) -> Iterator[Event]:
+        """Several prompts decoded together; each row's events carry thread_id = its index."""
+        check_method(method)
+        if method not in BATCH_METHODS:
+            raise UserError(f"method {method!r} decodes one prompt at a time "
+                            f"(batches: {', '.join(sorted(BATCH_METHODS))})")
+        if not prompts_ids:
+            raise UserError("empty batch")
+        return stream_events(self.lm, list(prompts_ids[0]), STRATEGIES[method], params or GenerationParams(),
+                             method, resources=self._resources_for(method), batch=prompts_ids)
+
+    def generate_batch(self, prompts: List[str], method: str = "redrafter",
+                       params: Optional[GenerationParams] = None, chat_template: bool = True) -> Iterator[Event]:
+        return self.generate_ids_batch([self.lm.encode_prompt(p, chat=chat_template) for p in prompts],
+                                       method, params)
 
     def generate(self, prompt: str, method: str = "ar", params: Optional[GenerationParams] = None,
                  chat_template: bool = True) -> Iterator[Event]:

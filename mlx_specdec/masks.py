@@ -60,3 +60,30 @@ def prefix_tree_mask(parents: Sequence[int], prefix_len: int) -> mx.array:
 def tree_positions(parents: Sequence[int], prefix_len: int) -> mx.array:
     """(1, N) absolute positions: a token at depth d sits at prefix_len + d."""
     return mx.array(tree_depths_np(parents) + prefix_len)[None]
+
+
+def ragged_tree_mask(valid: np.ndarray, trees: Sequence[Sequence[int]], width: int) -> mx.array:
+    """(B, 1, width, P + width) for one token tree per batch row over a ragged cache.
+
+    valid (B, P): which cache slots hold row b's tokens (rows of a batch commit different counts,
+    leaving holes). trees[b]: row b's parents list (topological, N_b <= width tokens). Tree token i
+    of row b sees row b's valid slots and its own path; padding tokens (i >= N_b) see only
+    themselves, so every query has a key and none leaks into a real token.
+    """
+    B, P = valid.shape
+    mask = np.zeros((B, 1, width, P + width), dtype=bool)
+    for b, parents in enumerate(trees):
+        n = len(parents)
+        mask[b, 0, :n, :P] = valid[b]
+        mask[b, 0, :n, P : P + n] = tree_mask_np(parents)
+        pads = np.arange(n, width)
+        mask[b, 0, pads, P + pads] = True
+    return mx.array(mask)
+
+
+def ragged_tree_positions(lengths: Sequence[int], trees: Sequence[Sequence[int]], width: int) -> mx.array:
+    """(B, width) positions: row b's token at depth d sits at lengths[b] + d; padding at 0."""
+    positions = np.zeros((len(trees), width), dtype=np.int32)
+    for b, parents in enumerate(trees):
+        positions[b, : len(parents)] = tree_depths_np(parents) + lengths[b]
+    return mx.array(positions)

@@ -144,3 +144,46 @@ def test_redrafter_without_a_head_is_a_clear_error():
     engine = Engine(make_tiny_lm(), drafter=None)
     with pytest.raises(NoDrafter, match="redrafter needs a draft head"):
         run(engine, PROMPTS[0], "redrafter")
+
+
+def run_batch(engine, prompts, **params):
+    events = list(engine.generate_ids_batch(prompts, "redrafter", GenerationParams(**params)))
+    per_row = {}
+    for e in events:
+        if e.kind == "token":
+            per_row.setdefault(e.thread_id, []).extend(e.tokens)
+    return [per_row.get(b, []) for b in range(len(prompts))], events[-1].stats
+
+
+@pytest.mark.parametrize("width,length", [(1, 4), (3, 5)])
+def test_batched_prompts_each_equal_their_own_plain_decoding(width, length):
+    """Rows of different prompt lengths accept different numbers of tokens each step (a ragged
+    cache with holes); every row must still equal its prompt decoded alone."""
+    lm = make_tiny_lm(seed=4, eos_id=96)
+    engine = engine_with(lm, oracle_head(lm, PROMPTS, corrupt=0.4))
+    prompts = PROMPTS + [[7], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
+    want = [run(engine, p, "ar", max_tokens=30)[0] for p in prompts]
+    got, stats = run_batch(engine, prompts, max_tokens=30,
+                           options={"beam_width": width, "beam_length": length})
+    assert got == want
+    assert stats.forward_passes < sum(len(w) for w in want) / len(prompts)  # speculation worked
+
+
+def test_batch_rows_stop_on_their_own():
+    lm = make_tiny_lm(seed=4, eos_id=96)
+    free = engine_with(lm, random_head(lm))
+    long_answer, _ = run(free, PROMPTS[0], "ar", max_tokens=20)
+    eos = long_answer[4]  # row 0 stops after 4 tokens; other rows run to max_tokens
+    stopping = make_tiny_lm(seed=4, eos_id=eos)
+    engine = engine_with(stopping, random_head(stopping))
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    want = [run(engine, p, "ar", max_tokens=12)[0] for p in prompts]
+    got, _ = run_batch(engine, prompts, max_tokens=12, options={"beam_width": 2, "beam_length": 3})
+    assert got == want and len(got[0]) == 4
+
+
+def test_only_redrafter_decodes_batches():
+    from mlx_specdec.errors import UserError
+
+    with pytest.raises(UserError, match="decodes one prompt at a time"):
+        Engine(make_tiny_lm(), drafter=None).generate_ids_batch([[5], [6]], "ar")

@@ -64,6 +64,19 @@ class ContiguousLayerCache:
         self.values[..., start : start + k, :] = self.values[..., index, :]
         self.offset = start + k
 
+    def keep_appended_rows(self, start: int, kept: mx.array, width: int):
+        """Per row b keep the appended tokens at start + kept[b] (B, width), packed from `start`."""
+        index = (kept + start)[:, None, :, None]  # (B, 1, width, 1)
+        gathered_keys = mx.take_along_axis(self.keys, index, axis=2)  # (B, H, width, Dk)
+        gathered_values = mx.take_along_axis(self.values, index, axis=2)
+        self.keys[..., start : start + width, :] = gathered_keys
+        self.values[..., start : start + width, :] = gathered_values
+        self.offset = start + width
+
+    def select_rows(self, rows: mx.array):
+        if self.keys is not None:
+            self.keys, self.values = self.keys[rows], self.values[rows]
+
     @property
     def state(self):
         if self.keys is None:
@@ -106,6 +119,26 @@ class ContiguousKVCache:
         kept = mx.array(kept, dtype=mx.int32) if not isinstance(kept, mx.array) else kept
         for layer in self.layers:
             layer.keep_appended(start, kept)
+
+    def keep_appended_rows(self, start: int, kept_rows: Sequence[Sequence[int]]) -> int:
+        """Batch version of `keep_appended`: row b keeps kept_rows[b] (relative, ascending).
+
+        Rows keep different counts; every row is packed from `start` and the new offset is
+        start + the longest, so shorter rows end in holes that the caller masks out (ragged batch).
+        Returns the new offset.
+        """
+        width = max(len(k) for k in kept_rows)
+        padded = [[int(i) for i in k] + [int(k[-1])] * (width - len(k)) for k in kept_rows]  # holes repeat a kept token
+        kept = mx.array(padded, dtype=mx.int32)  # (B, width)
+        for layer in self.layers:
+            layer.keep_appended_rows(start, kept, width)
+        return self.offset
+
+    def select_rows(self, rows: Sequence[int]) -> None:
+        """Keep only these batch rows (finished rows leave the batch)."""
+        index = mx.array([int(r) for r in rows], dtype=mx.int32)
+        for layer in self.layers:
+            layer.select_rows(index)
 
     @property
     def state(self):

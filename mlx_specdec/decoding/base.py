@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from ..cache import ContiguousKVCache
 from ..errors import ContextOverflow
@@ -126,6 +127,7 @@ class DecodeContext:
     stats: GenerationStats
     prefill_done_at: float = 0.0
     resources: Dict[str, object] = field(default_factory=dict)  # e.g. {"drafter": DrafterHead}
+    prompts: List[List[int]] = field(default_factory=list)  # a batch: one prompt per row (thread)
 
 
 def make_sampler(params: GenerationParams):
@@ -143,6 +145,44 @@ def prefill(ctx: DecodeContext, cache, tokens: Sequence[int]) -> None:
         forward(model, piece, cache, logits_for="none")
         mx.eval(cache.state)  # deliberate sync per chunk: bounds the graph and the memory of prefill
     ctx.prefill_done_at = time.perf_counter()
+
+
+def prefill_rows(ctx: DecodeContext, cache, rows: Sequence[Sequence[int]]) -> np.ndarray:
+    """Prefill a batch of prompts of different lengths into one cache (right-padded, ragged).
+
+    Returns valid (B, P): which of the P cache slots hold each row's tokens. Padding slots hold
+    finite garbage (pad queries attend to themselves, so nothing is NaN) that later masks hide.
+    One row (or equal lengths) takes the plain path: no explicit mask, exactly as `prefill`.
+    """
+    lengths = [len(r) for r in rows]
+    width = max(lengths)
+    if min(lengths) == width:
+        if width:
+            model = ctx.lm.model
+            chunk = max(1, ctx.params.prefill_chunk)
+            tokens = mx.array([list(r) for r in rows])
+            for start in range(0, width, chunk):
+                forward(model, tokens[:, start : start + chunk], cache, logits_for="none")
+                mx.eval(cache.state)  # deliberate sync per chunk (see `prefill`)
+        ctx.prefill_done_at = time.perf_counter()
+        return np.ones((len(rows), width), dtype=bool)
+    valid = np.zeros((len(rows), width), dtype=bool)
+    tokens = np.zeros((len(rows), width), dtype=np.int32)
+    for b, r in enumerate(rows):
+        valid[b, : len(r)] = True
+        tokens[b, : len(r)] = r
+    positions = np.where(valid, np.arange(width)[None, :], 0).astype(np.int32)
+    chunk = max(1, ctx.params.prefill_chunk)
+    for start in range(0, width, chunk):
+        end = min(width, start + chunk)
+        causal = np.arange(end)[None, :] <= np.arange(start, end)[:, None]  # (c, end)
+        mask = causal[None] & valid[:, None, :end]
+        mask[:, np.arange(end - start), np.arange(start, end)] = True  # pads see themselves
+        forward(ctx.lm.model, mx.array(tokens[:, start:end]), cache,
+                positions=mx.array(positions[:, start:end]), mask=mx.array(mask)[:, None], logits_for="none")
+        mx.eval(cache.state)  # deliberate sync per chunk (see `prefill`)
+    ctx.prefill_done_at = time.perf_counter()
+    return valid
 
 
 def new_contiguous_cache(ctx: DecodeContext) -> ContiguousKVCache:
@@ -209,38 +249,51 @@ def stream_events(
     params: GenerationParams,
     method_name: str,
     resources: Optional[Dict[str, object]] = None,
+    batch: Optional[List[List[int]]] = None,
 ) -> Iterator[Event]:
-    if not prompt:
+    """Drive `strategy` and turn its steps into events.
+
+    Single prompt: thread 0's EOS or stop string ends the stream; max_tokens counts every thread's
+    tokens (APAR's threads write one answer). Batch (`batch` = one prompt per row, thread id = row):
+    each row stops on its own EOS / stop string / max_tokens; the stream ends when all rows have.
+    """
+    prompts = [list(p) for p in batch] if batch else [list(prompt)]
+    if not all(prompts):
         raise ValueError("empty prompt")
-    max_tokens = check_context(lm, prompt, params)
+    max_tokens = min(check_context(lm, p, params) for p in prompts)
     if params.seed is not None:
         mx.random.seed(params.seed)
-    stats = GenerationStats(method=method_name, prompt_tokens=len(prompt))
-    ctx = DecodeContext(lm, list(prompt), params, make_sampler(params), stats, resources=resources or {})
+    stats = GenerationStats(method=method_name, prompt_tokens=sum(len(p) for p in prompts))
+    ctx = DecodeContext(lm, prompts[0], params, make_sampler(params), stats,
+                        resources=resources or {}, prompts=prompts)
     eos = lm.eos_token_ids
+    per_row = batch is not None
     texts: Dict[int, _ThreadText] = {}
+    counts: Dict[int, int] = {}
+    stopped: set = set()
     start = time.perf_counter()
     first_token_at = last_token_at = None
-    finished_threads: set = set()
     steps = strategy(ctx)
     try:
         for step in steps:
             now = time.perf_counter()
             if step.kind != "token":
-                if step.kind == "thread_end":
-                    finished_threads.add(step.thread_id)
                 yield Event(step.kind, step.thread_id, step.parent_id, elapsed_s=now - start)
                 continue
-            thread = texts.setdefault(step.thread_id, _ThreadText(lm.tokenizer, params.stop))
+            tid = step.thread_id
+            if tid in stopped:
+                continue
+            thread = texts.setdefault(tid, _ThreadText(lm.tokenizer, params.stop))
             emitted, delta, stop_hit = [], "", False
             for token in step.tokens:
-                if stats.generated_tokens >= max_tokens:
+                used = counts.get(tid, 0) if per_row else stats.generated_tokens
+                if used >= max_tokens:
                     break
                 if token in eos:
-                    if step.thread_id == 0:
-                        stop_hit = True
+                    stop_hit = per_row or tid == 0
                     break
                 emitted.append(token)
+                counts[tid] = counts.get(tid, 0) + 1
                 stats.generated_tokens += 1
                 piece, stop_hit = thread.add(token)
                 delta += piece
@@ -251,14 +304,14 @@ def stream_events(
                 last_token_at = now
                 stats.drafted += step.drafted
                 stats.accepted += step.accepted
-                yield Event("token", step.thread_id, step.parent_id, emitted, delta,
+                yield Event("token", tid, step.parent_id, emitted, delta,
                             step.drafted, step.accepted, now - start)
-            if stop_hit:
-                stats.finish_reason = "stop"
-                break
-            if stats.generated_tokens >= max_tokens:
-                stats.finish_reason = "length"
-                break
+            reached = (counts.get(tid, 0) if per_row else stats.generated_tokens) >= max_tokens
+            if stop_hit or reached:
+                stopped.add(tid)
+                stats.finish_reason = "stop" if stop_hit else "length"
+                if not per_row or len(stopped) == len(prompts):
+                    break
         else:
             stats.finish_reason = "stop"
     finally:

@@ -2,35 +2,40 @@
 dynamic tree attention, verify the whole tree in one forward.
 
 One decoding step, entered with the cache holding every committed token except the target's own
-latest token `x`, and with the hidden state `h` that produced `x`:
+latest token `x`, and with the hidden state `h` that produced `x` (per batch row):
 
     draft   W beams of length L from (h, x): beam search (greedy) or W sampled chains (sampling)
     pack    dedup shared prefixes -> N <= W*L distinct tokens, depths, tree mask      [host, tiny]
-    verify  one forward of the N tokens at positions offset + depth under the tree mask
-    accept  longest run the target agrees with (greedy) or rejection sampling -> n, bonus token
+    verify  one forward of the N tokens at positions length + depth under the tree mask
+    accept  longest run the target agrees with (greedy) or rejection sampling -> n, next token
     commit  the cache keeps the n+1 accepted tokens (keep_appended), drops the rest
 
 The step's only host sync reads the acceptance result *and* the next step's drafts together: the
 next draft is built lazily from the accepted path's hidden state before anything is read back.
+
+A batch of prompts runs as rows of one cache. Rows accept different numbers of tokens, so the
+cache is ragged: every row is packed from the same physical offset and a row that kept fewer
+tokens leaves holes, hidden from later queries by a per-row `valid` mask. One row has no holes.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from typing import Iterator, List
 
 import mlx.core as mx
 import numpy as np
 
 from .. import masks
-from ..acceptance import greedy_accept, sampling_accept, target_probs
+from ..acceptance import Accepted, greedy_accept, sampling_accept, target_probs
 from ..drafter.beam import Drafts, compiled_beam_search, dedup_prefix, pack_beams, sample_beams
 from ..errors import UserError
 from ..model.forward import forward
-from .base import DecodeContext, Step, new_contiguous_cache, prefill
+from .base import DecodeContext, Step, new_contiguous_cache, prefill_rows
 
 DEFAULT_BEAM_WIDTH = 2
 DEFAULT_BEAM_LENGTH = 5
+PHASES = ("draft_s", "pack_s", "verify_s", "accept_s", "sync_s")
 
 
 class NoDrafter(UserError):
@@ -47,121 +52,166 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     profile = bool(ctx.params.options.get("profile", False))
     if width < 1 or length < 2:
         raise UserError("redrafter needs --beam-width >= 1 and --beam-length >= 2")
-    model, stats = ctx.lm.model, ctx.stats
+    model, stats, params = ctx.lm.model, ctx.stats, ctx.params
     embed = model.model.embed_tokens
-    greedy = ctx.params.greedy
-    temperature, top_p = ctx.params.temperature, ctx.params.top_p
-
+    greedy = params.greedy
+    eos = ctx.lm.eos_token_ids
     search = compiled_beam_search(head, embed, width, length) if greedy else None
 
-    def draft(hidden: mx.array, token: mx.array):  # hidden (1, D), token (1,) -> Drafts, owner
+    def draft(hidden: mx.array, token: mx.array):  # hidden (B, D), token (B,) -> Drafts, owner
         if greedy:
             beams, owner = search(hidden, token)
             return Drafts(beams, None), owner
-        drafts = sample_beams(head, embed, hidden, token, width, length, temperature)
+        drafts = sample_beams(head, embed, hidden, token, width, length, params.temperature)
         return drafts, dedup_prefix(drafts.beams)
 
-    def own_token(logits: mx.array) -> mx.array:  # (V,) -> () the target's own choice
+    def own_token(logits: mx.array) -> mx.array:  # (B, V) -> (B,) the target's own choice
         if greedy:
-            return mx.argmax(logits)
-        return mx.random.categorical(mx.log(target_probs(logits, temperature, top_p)))
+            return mx.argmax(logits, axis=-1)
+        return mx.random.categorical(mx.log(target_probs(logits, params.temperature, params.top_p)))
 
-    timings = {"draft_s": 0.0, "verify_s": 0.0, "accept_s": 0.0, "pack_s": 0.0, "sync_s": 0.0}
-    per_position = np.zeros(length - 1, dtype=np.int64)  # steps that accepted >= k+1 drafts
-    before_dedup = after_dedup = steps = 0
+    def accept(beams: mx.array, beam_logits: mx.array, drafts: Drafts) -> Accepted:
+        if greedy:
+            return greedy_accept(beams, beam_logits)  # batched: (B, W, L)
+        probs = target_probs(beam_logits, params.temperature, params.top_p)  # (B, W, L, V)
+        q = _draft_probs_full(drafts.draft_probs, head.draft_to_full, probs.shape[-1])
+        rows = [sampling_accept(beams[b], probs[b], q[b]) for b in range(beams.shape[0])]
+        return Accepted(*(mx.stack(list(field)) for field in zip(*rows)))
 
-    def mark(name: str, since: float) -> float:
-        """Profile mode only: a deliberate extra sync per phase, to attribute time."""
+    timings = dict.fromkeys(PHASES, 0.0)
+    per_position = np.zeros(length - 1, dtype=np.int64)  # row-steps that accepted >= k+1 drafts
+    tally = {"steps": 0, "before": 0, "after": 0}
+
+    def mark(name: str, since: float, *arrays) -> float:
+        """Profile mode only: a deliberate extra sync per phase, to attribute time to it."""
+        if not profile:
+            return since
+        mx.eval(*arrays)
         now = time.perf_counter()
-        if profile:
-            timings[name] += now - since
+        timings[name] += now - since
         return now
 
+    # -- prefill and the target's first token, per row ------------------------------------------
+    prompts = ctx.prompts or [ctx.prompt]
+    rows = list(range(len(prompts)))  # live rows' thread ids
     cache = new_contiguous_cache(ctx)
-    prefill(ctx, cache, ctx.prompt[:-1])
-    out = forward(model, mx.array(ctx.prompt[-1:])[None], cache, logits_for="last")
-    token = own_token(out.logits[0, -1])
-    drafts, owner = draft(out.hidden[:, -1], token[None])
-    token, beams, owner = _read(token, drafts.beams[0], owner[0])  # host sync: first token + drafts
+    valid = prefill_rows(ctx, cache, [p[:-1] for p in prompts])  # (B, P)
+    lengths = np.array([len(p) - 1 for p in prompts])  # committed tokens per row
+    last = mx.array([[p[-1]] for p in prompts])  # (B, 1)
+    out = forward(model, last, cache, positions=masks.ragged_tree_positions(lengths, [[-1]] * len(rows), 1),
+                  mask=masks.ragged_tree_mask(valid, [[-1]] * len(rows), 1))
+    valid = np.concatenate([valid, np.ones((len(rows), 1), dtype=bool)], axis=1)
+    lengths += 1
+    token = own_token(out.logits[:, -1])
+    drafts, owner = draft(out.hidden[:, -1], token)
+    token, beams, owner = _read(token, drafts.beams, owner)  # host sync: first tokens + drafts
     stats.forward_passes += 1
+    emitted = np.zeros(len(rows), dtype=np.int64)
     committed = cache.offset
-    yield Step([token])
+    for b in rows:
+        yield Step([int(token[b])], thread_id=b)
+    emitted += 1
+    rows, keep = _drop_finished(rows, [[int(t)] for t in token], emitted, eos, params.max_tokens)
     try:
-        while True:
+        while rows:
+            if keep is not None:  # some rows finished: they leave the batch
+                cache.select_rows(keep)
+                valid, lengths, beams, owner, emitted = (a[keep] for a in (valid, lengths, beams, owner, emitted))
+                drafts = _select_drafts(drafts, keep)
             t0 = time.perf_counter()
-            tree = pack_beams(beams, owner)
-            n = len(tree.tokens)
-            before_dedup += beams.size
-            after_dedup += n
-            positions = mx.array(tree.depths + committed)[None]  # (1, N)
-            mask = masks.prefix_tree_mask(tree.parents, committed)[None, None]  # (1, 1, N, committed + N)
-            index = mx.array(tree.index)  # (W, L) packed position of every beam token
+            trees = [pack_beams(beams[b], owner[b]) for b in range(len(rows))]
+            n = max(len(t.tokens) for t in trees)
+            tally["before"] += beams.size
+            tally["after"] += sum(len(t.tokens) for t in trees)
+            tokens = np.zeros((len(rows), n), dtype=np.int32)
+            for b, tree in enumerate(trees):
+                tokens[b, : len(tree.tokens)] = tree.tokens
+            parents = [t.parents for t in trees]
+            positions = masks.ragged_tree_positions(lengths, parents, n)  # (B, N)
+            mask = masks.ragged_tree_mask(valid, parents, n)  # (B, 1, N, P + N)
+            index = mx.array(np.stack([t.index for t in trees]).reshape(len(rows), -1))  # (B, W*L)
             t0 = mark("pack_s", t0)
 
-            out = forward(model, mx.array(tree.tokens)[None], cache, positions=positions, mask=mask)
-            beam_logits = out.logits[0][index]  # (W, L, V): unpacked back to beams
-            if profile:
-                mx.eval(beam_logits)
-            t0 = mark("verify_s", t0)
+            out = forward(model, mx.array(tokens), cache, positions=positions, mask=mask)
+            beam_logits = mx.take_along_axis(out.logits, index[..., None], axis=1)  # (B, W*L, V)
+            beam_logits = beam_logits.reshape(len(rows), width, length, -1)  # unpacked to beams
+            t0 = mark("verify_s", t0, beam_logits)
 
-            beams_mx = mx.array(beams)
-            if greedy:
-                result = greedy_accept(beams_mx, beam_logits)
-            else:
-                probs = target_probs(beam_logits, temperature, top_p)  # (W, L, V)
-                q = _draft_probs_full(drafts.draft_probs[0], head.draft_to_full, probs.shape[-1])
-                result = sampling_accept(beams_mx, probs, q)
-            last = index.reshape(-1)[result.beam * length + result.num_accepted]  # packed pos of the last accepted token
-            if profile:
-                mx.eval(result, last)
-            t0 = mark("accept_s", t0)
+            result = accept(mx.array(beams), beam_logits, drafts)
+            flat = result.beam * length + result.num_accepted  # (B,) last accepted token, beam-major
+            last = mx.take_along_axis(index, flat[:, None], axis=1)  # (B, 1) its packed position
+            hidden = mx.take_along_axis(out.hidden, last[..., None], axis=1)[:, 0]  # (B, D)
+            t0 = mark("accept_s", t0, result, hidden)
 
-            drafts, next_owner = draft(out.hidden[0, last][None], result.next_token[None])  # next step, lazily
-            if profile:
-                mx.eval(drafts.beams, next_owner)
-            t0 = mark("draft_s", t0)
+            drafts, next_owner = draft(hidden, result.next_token)  # the next step, still lazy
+            t0 = mark("draft_s", t0, drafts.beams, next_owner)
 
-            # The one host sync of the step: acceptance result + the next step's drafts and owners.
-            beam, accepted, token, next_beams, next_owner = _read(
-                result.beam, result.num_accepted, result.next_token, drafts.beams[0], next_owner[0])
+            # The one host sync of the step: acceptance results + the next step's drafts and owners.
+            best, accepted, token, next_beams, next_owner = _read(
+                result.beam, result.num_accepted, result.next_token, drafts.beams, next_owner)
             mark("sync_s", t0)
 
-            cache.keep_appended(committed, tree.index[beam, : accepted + 1])
-            committed = cache.offset
+            kept = [trees[b].index[best[b], : accepted[b] + 1] for b in range(len(rows))]
+            physical = committed
+            committed = cache.keep_appended_rows(physical, kept)
+            new_valid = np.zeros((len(rows), committed - physical), dtype=bool)
+            for b in range(len(rows)):
+                new_valid[b, : accepted[b] + 1] = True
+            valid = np.concatenate([valid, new_valid], axis=1)
+            lengths = lengths + accepted + 1
             stats.forward_passes += 1
-            steps += 1
-            per_position[:accepted] += 1
-            new_tokens = [int(t) for t in beams[beam, 1 : accepted + 1]] + [token]
-            _report(stats, width, length, steps, per_position, before_dedup, after_dedup, timings, profile)
+            new_tokens = []
+            for b, thread in enumerate(rows):
+                tally["steps"] += 1
+                per_position[: accepted[b]] += 1
+                new_tokens.append([int(t) for t in beams[b, best[b], 1 : accepted[b] + 1]] + [int(token[b])])
+            emitted += accepted + 1
+            _report(stats, width, length, tally, per_position, timings, profile)
             beams, owner = next_beams, next_owner
-            yield Step(new_tokens, drafted=length - 1, accepted=accepted)
+            for b, thread in enumerate(rows):
+                yield Step(new_tokens[b], thread_id=thread, drafted=length - 1, accepted=int(accepted[b]))
+            rows, keep = _drop_finished(rows, new_tokens, emitted, eos, params.max_tokens)
     finally:
         if cache.offset > committed:  # stopped mid-step: drop the unverified tree
             cache.rollback_to(committed)
 
 
+def _drop_finished(rows: List[int], new_tokens, emitted, eos, max_tokens):
+    """Rows that hit EOS or max_tokens leave the batch: (live rows, their indices or None)."""
+    keep = [b for b, tokens in enumerate(new_tokens)
+            if emitted[b] < max_tokens and not any(t in eos for t in tokens)]
+    if len(keep) == len(rows):
+        return rows, None
+    return [rows[b] for b in keep], np.array(keep)
+
+
+def _select_drafts(drafts: Drafts, keep: np.ndarray) -> Drafts:
+    index = mx.array(keep)
+    return Drafts(drafts.beams[index], None if drafts.draft_probs is None else drafts.draft_probs[index])
+
+
 def _read(*arrays):
-    """Evaluate together and bring to the host (the deliberate sync): scalars as int, rest numpy."""
+    """Evaluate together and bring to the host (the deliberate sync): numpy arrays."""
     mx.eval(*arrays)
-    return [a.item() if a.ndim == 0 else np.array(a) for a in arrays]
+    return [np.array(a) for a in arrays]
 
 
 def _draft_probs_full(draft_probs: mx.array, draft_to_full: mx.array, vocab: int) -> mx.array:
-    """(W, L-1, K) draft-vocabulary distribution -> (W, L-1, V), zero outside the draft vocabulary."""
-    W, steps, _ = draft_probs.shape
-    full = mx.zeros((W, steps, vocab), dtype=draft_probs.dtype)
-    return full.at[:, :, draft_to_full].add(draft_probs)
+    """(B, W, L-1, K) draft-vocabulary distribution -> (B, W, L-1, V), zero outside the draft vocab."""
+    full = mx.zeros(draft_probs.shape[:-1] + (vocab,), dtype=draft_probs.dtype)
+    return full.at[..., draft_to_full].add(draft_probs)
 
 
-def _report(stats, width, length, steps, per_position, before, after, timings, profile) -> None:
+def _report(stats, width, length, tally, per_position, timings, profile) -> None:
+    steps = tally["steps"]
     stats.extra.update(
         beam_width=width,
         beam_length=length,
         steps=steps,
         acceptance_per_position=[round(float(c) / steps, 3) for c in per_position],
-        tree_tokens_before_dedup=before,
-        tree_tokens_after_dedup=after,
-        compression=round(1 - after / before, 3) if before else 0.0,
+        tree_tokens_before_dedup=tally["before"],
+        tree_tokens_after_dedup=tally["after"],
+        compression=round(1 - tally["after"] / tally["before"], 3) if tally["before"] else 0.0,
     )
     if profile:
         stats.extra.update({k: round(v, 4) for k, v in timings.items()})

@@ -1,0 +1,213 @@
+"""Distillation data for the ReDrafter head: the LLM's own greedy answers and hidden states.
+
+For every training prompt (chat template, one user message) the LLM answers greedily (up to
+`max_new_tokens` (default 192), stopping at EOS). Prompts run in batches: left-padded, with per-row
+positions and a boolean mask (True = attend) that hides pad keys and is causal, over one
+`ContiguousKVCache` of batch B. The final-norm hidden state of each step is kept as it is
+produced, so no second pass is needed:
+
+    tokens[i]  the i-th response token (the LLM's greedy choice)
+    hidden[i]  the hidden state that predicted tokens[i] (at the previous position)
+
+So `hidden[i]` and `tokens[i]` are exactly what the drafter sees at inference: the LLM's last
+hidden state and the token it produced from it; the head then predicts tokens[i+1:i+1+T].
+
+Shards (`shard-XXXX.npz`: tokens int32 concatenated, hidden float16 concatenated, offsets,
+prompt ids) go under `<out>/train` and `<out>/valid`; finished shards are skipped on restart.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from ..cache.contiguous import ContiguousKVCache
+from ..errors import UserError
+from ..model.forward import forward
+
+VALID_FRACTION = 0.05
+
+
+def load_train_prompts(path: Path) -> List[dict]:
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"no prompt file {path}")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise UserError(f"{path}:{n} is not valid JSON") from None
+        if "prompt" not in row:
+            raise UserError(f"{path}:{n} has no 'prompt' field")
+        row.setdefault("id", n)
+        rows.append(row)
+    return rows
+
+
+def is_validation(prompt_id, fraction: float = VALID_FRACTION) -> bool:
+    """A fixed ~5% of prompt ids (by a hash of the id, so it never depends on the file order)."""
+    return (zlib.crc32(str(prompt_id).encode()) % 1000) < int(fraction * 1000)
+
+
+def batched_greedy(lm, prompts: Sequence[List[int]], max_new_tokens: int) -> List[Tuple[List[int], np.ndarray]]:
+    """Greedy-decode B prompts together. Returns per prompt (response ids, hidden (n, D) float16).
+
+    The response stops after the first EOS (included) or at max_new_tokens.
+    """
+    model = lm.model
+    eos = lm.eos_token_ids
+    B = len(prompts)
+    P = max(len(p) for p in prompts)
+    pads = [P - len(p) for p in prompts]
+    tokens = mx.array([[0] * pad + list(p) for pad, p in zip(pads, prompts)], dtype=mx.int32)  # (B, P)
+    pad = mx.array(pads, dtype=mx.int32)[:, None]  # (B, 1)
+    idx = mx.arange(P, dtype=mx.int32)[None, :]  # (1, P)
+    positions = mx.maximum(idx - pad, 0)  # (B, P)
+    key_real = idx >= pad  # (B, P)
+    causal = idx.T >= idx  # (P, P) query >= key
+    diag = mx.eye(P, dtype=mx.bool_)  # pad queries attend to themselves (no all-masked rows)
+    mask = (causal[None] & key_real[:, None, :]) | diag[None]  # (B, P, P)
+    cache = ContiguousKVCache.for_model(model)
+    out = forward(model, tokens, cache, positions=positions, mask=mask[:, None], logits_for="last")
+    hidden = out.hidden[:, -1, :]  # (B, D)
+    next_tok = mx.argmax(out.logits[:, -1, :], axis=-1).astype(mx.int32)  # (B,)
+    mx.eval(next_tok, hidden)
+
+    responses: List[List[int]] = [[] for _ in range(B)]
+    hiddens: List[List[np.ndarray]] = [[] for _ in range(B)]
+    done = [False] * B
+    rows = list(range(B))  # batch row -> prompt index; finished rows are dropped from the batch
+    next_pos = mx.array([len(p) for p in prompts], dtype=mx.int32)[:, None]  # (B, 1)
+    extra = 0  # generated keys in the cache so far
+    for step in range(max_new_tokens):
+        toks_host = np.array(next_tok)  # host sync: one per step, to record tokens and stop at EOS
+        hid_host = np.array(hidden.astype(mx.float16))
+        for j, b in enumerate(rows):
+            responses[b].append(int(toks_host[j]))
+            hiddens[b].append(hid_host[j])
+            if int(toks_host[j]) in eos:
+                done[b] = True
+        if all(done) or step == max_new_tokens - 1:
+            break
+        if any(done[b] for b in rows):  # drop finished rows from the cache and the batch
+            keep = [j for j, b in enumerate(rows) if not done[b]]
+            keep_arr = mx.array(keep, dtype=mx.int32)
+            for layer in cache.layers:
+                layer.keys = layer.keys[keep_arr]
+                layer.values = layer.values[keep_arr]
+            rows = [rows[j] for j in keep]
+            key_real, next_tok, next_pos = key_real[keep_arr], next_tok[keep_arr], next_pos[keep_arr]
+        n = len(rows)
+        extra += 1
+        step_mask = mx.concatenate([key_real, mx.ones((n, extra), dtype=mx.bool_)], axis=1)  # (n, keys)
+        out = forward(model, next_tok[:, None], cache, positions=next_pos + step,
+                      mask=step_mask[:, None, None, :], logits_for="last")
+        hidden = out.hidden[:, -1, :]
+        next_tok = mx.argmax(out.logits[:, -1, :], axis=-1).astype(mx.int32)
+        mx.async_eval(next_tok, hidden)
+    return [(r, np.stack(h).astype(np.float16)) for r, h in zip(responses, hiddens)]
+
+
+@dataclass
+class DataConfig:
+    prompts: Path
+    out: Path
+    max_new_tokens: int = 192
+    batch_size: int = 32
+    shard_prompts: int = 32  # prompts per shard file
+    limit: Optional[int] = None
+
+
+def _shards(rows: List[dict], size: int) -> List[List[dict]]:
+    return [rows[i : i + size] for i in range(0, len(rows), size)]
+
+
+def generate_data(lm, cfg: DataConfig, log=print) -> Dict[str, int]:
+    """Generate (or resume) the distillation shards. Returns token counts per split."""
+    from tqdm import tqdm
+
+    rows = load_train_prompts(cfg.prompts)
+    if cfg.limit:
+        rows = rows[: cfg.limit]
+    enc = {}
+    for r in rows:
+        enc[r["id"]] = lm.encode_chat([{"role": "user", "content": r["prompt"]}])
+    splits = {"train": [r for r in rows if not is_validation(r["id"])],
+              "valid": [r for r in rows if is_validation(r["id"])]}
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    (cfg.out / "meta.json").write_text(json.dumps({
+        "model": lm.name, "prompts": str(cfg.prompts), "max_new_tokens": cfg.max_new_tokens,
+        "train_prompts": len(splits["train"]), "valid_prompts": len(splits["valid"]),
+        "valid_ids": [r["id"] for r in splits["valid"]],
+    }, indent=1))
+    counts = {}
+    todo = []
+    for split, srows in splits.items():
+        (cfg.out / split).mkdir(exist_ok=True)
+        # sort by prompt length inside the split so batches pad little
+        srows = sorted(srows, key=lambda r: len(enc[r["id"]]))
+        for i, shard in enumerate(_shards(srows, cfg.shard_prompts)):
+            todo.append((split, cfg.out / split / f"shard-{i:04d}.npz", shard))
+    pending = [t for t in todo if not t[1].exists()]
+    log(f"{len(todo)} shards, {len(todo) - len(pending)} already done")
+    bar = tqdm(total=sum(len(t[2]) for t in pending), unit="prompt", desc="distill", mininterval=5)
+    new_tokens, t0 = 0, time.perf_counter()
+    for split, path, shard in pending:
+        results = []
+        for batch in _shards(shard, cfg.batch_size):
+            results += batched_greedy(lm, [enc[r["id"]] for r in batch], cfg.max_new_tokens)
+            new_tokens += sum(len(r[0]) for r in results[-len(batch):])
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.1f}")
+        lengths = [len(r[0]) for r in results]
+        tmp = path.with_name(path.stem + ".tmp.npz")
+        np.savez(tmp,
+                 tokens=np.concatenate([np.array(r[0], np.int32) for r in results]),
+                 hidden=np.concatenate([r[1] for r in results]),
+                 offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+                 prompt_ids=np.array([r["id"] for r in shard]),
+                 prompt_lengths=np.array([len(enc[r["id"]]) for r in shard], np.int32))
+        tmp.rename(path)
+    bar.close()
+    for split in splits:
+        counts[split] = sum(int(np.load(p)["offsets"][-1]) for p in sorted((cfg.out / split).glob("shard-*.npz")))
+    log(f"new tokens this run: {new_tokens} in {time.perf_counter() - t0:.0f} s; totals {counts}")
+    return counts
+
+
+@dataclass
+class Sequences:
+    """All responses of one split: tokens (N,) int32, hidden (N, D) float16, offsets (S+1,)."""
+    tokens: np.ndarray
+    hidden: np.ndarray
+    offsets: np.ndarray
+    prompt_ids: np.ndarray
+
+
+def load_split(directory: Path, split: str) -> Sequences:
+    files = sorted((Path(directory) / split).glob("shard-*.npz"))
+    files = [f for f in files if ".tmp" not in f.name]
+    if not files:
+        raise UserError(f"no distillation shards in {Path(directory) / split}; run the data step first")
+    toks, hids, offs, pids = [], [], [0], []
+    for f in files:
+        try:
+            z = np.load(f)
+            t, h, o, p = z["tokens"], z["hidden"], z["offsets"], z["prompt_ids"]
+        except Exception as exc:
+            raise UserError(f"corrupt data shard {f}: {type(exc).__name__}") from None
+        toks.append(t)
+        hids.append(h)
+        offs += list(offs[-1] + o[1:])
+        pids.append(p)
+    return Sequences(np.concatenate(toks), np.concatenate(hids), np.array(offs, np.int64), np.concatenate(pids))

@@ -1,0 +1,361 @@
+"""Distil a ReDrafter head from the LLM's own greedy answers (teacher forcing, frozen LLM).
+
+For a response position i with hidden state hidden[i] (which produced tokens[i]):
+
+    s_1 = e(tokens[i]),               logits_1 = head.logits(s_1, hidden[i])  -> tokens[i+1]
+    s_k = next_state(s_{k-1}, e(tokens[i+k-1])),  logits_k                    -> tokens[i+k]
+
+for k = 1..T (T = draft_length), cross-entropy over the draft vocabulary; targets past the end
+of the answer or outside the draft vocabulary are masked out of the loss. AdamW with a linear
+warm-up then cosine decay. Checkpoints (head + optimizer + step) let an interrupted run resume
+with exactly the same batches (the data order is a fixed function of seed and epoch).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..errors import UserError
+from .data import Sequences
+from .head import DrafterConfig, DrafterHead, llm_shapes, save_drafter, tokenizer_hash
+
+
+@dataclass
+class TrainConfig:
+    draft_vocab_size: int = 4096
+    draft_length: int = 5
+    num_blocks: int = 2
+    batch_size: int = 256
+    epochs: float = 2.0
+    lr: float = 1e-3
+    warmup: float = 0.1
+    weight_decay: float = 0.01
+    seed: int = 0
+    checkpoint_every: int = 50
+    max_steps: Optional[int] = None  # stop early (for tests / partial runs)
+    compile: bool = True
+
+
+def draft_vocabulary(tokens: np.ndarray, k: int, vocab_size: int, always: Optional[List[int]] = None) -> np.ndarray:
+    """The k most frequent token ids of `tokens` (ties by id), plus `always` ids (e.g. EOS)."""
+    counts = np.bincount(tokens.astype(np.int64), minlength=vocab_size)
+    order = np.lexsort((np.arange(vocab_size), -counts))  # by count desc, then id
+    chosen = list(order[:k])
+    for t in always or []:
+        if t not in chosen:
+            chosen[-1 - (always or []).index(t)] = t
+    return np.array(sorted(set(int(c) for c in chosen)), dtype=np.int32)
+
+
+def coverage(tokens: np.ndarray, draft_to_full: np.ndarray) -> float:
+    return float(np.isin(tokens, draft_to_full).mean())
+
+
+class Windows:
+    """Teacher-forcing windows over one split: for position i the tokens i..i+T and validity."""
+
+    def __init__(self, seqs: Sequences, draft_length: int):
+        self.seqs, self.T = seqs, draft_length
+        n = len(seqs.tokens)
+        ends = np.zeros(n, np.int64)
+        for a, b in zip(seqs.offsets[:-1], seqs.offsets[1:]):
+            ends[a:b] = b
+        self.ends = ends
+        # positions with at least one target inside the same answer
+        self.positions = np.nonzero(np.arange(n) + 1 < ends)[0]
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def batch(self, pos: np.ndarray):
+        T = self.T
+        idx = pos[:, None] + np.arange(T + 1)[None, :]  # (B, T+1)
+        valid = idx < self.ends[pos][:, None]
+        toks = self.seqs.tokens[np.minimum(idx, len(self.seqs.tokens) - 1)]
+        toks = np.where(valid, toks, 0).astype(np.int32)
+        hidden = self.seqs.hidden[pos]
+        return mx.array(toks), mx.array(valid), mx.array(hidden.astype(np.float32))
+
+
+def unroll(head: DrafterHead, embeddings: mx.array, hidden: mx.array) -> mx.array:
+    """Teacher-forced draft logits. embeddings (B, T, E) of tokens i..i+T-1 -> (B, T, K)."""
+    T = embeddings.shape[1]
+    s = head.initial_state(embeddings[:, 0])
+    out = []
+    for k in range(T):
+        if k:
+            s = head.next_state(s, embeddings[:, k])
+        out.append(head.logits(s, hidden))
+    return mx.stack(out, axis=1)  # (B, T, K)
+
+
+def loss_fn(head: DrafterHead, embed_table: mx.array, toks: mx.array, valid: mx.array, hidden: mx.array):
+    """Mean CE over (position, draft step) pairs whose target is in the draft vocabulary."""
+    T = toks.shape[1] - 1
+    emb = embed_table[toks[:, :T]]  # (B, T, E)
+    logits = unroll(head, emb, hidden)  # (B, T, K)
+    target = head.full_to_draft[toks[:, 1:]]  # (B, T), -1 outside the draft vocabulary
+    mask = valid[:, 1:] & (target >= 0)
+    ce = nn.losses.cross_entropy(logits, mx.maximum(target, 0), reduction="none")  # (B, T)
+    n = mx.maximum(mask.sum(), 1)
+    return (ce * mask).sum() / n
+
+
+def llm_embedding_table(lm) -> mx.array:
+    """The LLM's token embeddings (V, E) as float32 (dequantized if needed); frozen."""
+    embed = lm.model.model.embed_tokens
+    V = llm_shapes(lm)[2]
+    table = embed(mx.arange(V)).astype(mx.float32)
+    mx.eval(table)
+    return table
+
+
+def lr_schedule(cfg: TrainConfig, total_steps: int):
+    warm = max(1, int(cfg.warmup * total_steps))
+    return optim.join_schedules(
+        [optim.linear_schedule(cfg.lr / warm, cfg.lr, warm),
+         optim.cosine_decay(cfg.lr, max(1, total_steps - warm), cfg.lr * 0.01)],
+        [warm])
+
+
+def _save_checkpoint(path: Path, head: DrafterHead, opt, step: int, meta: dict) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    arrays = {f"head.{k}": v for k, v in tree_flatten(head.parameters())}
+    arrays.update({f"opt.{k}": v for k, v in tree_flatten(opt.state) if isinstance(v, mx.array)})
+    arrays["draft_to_full"] = head.draft_to_full
+    tmp = path / "checkpoint.tmp.safetensors"
+    mx.save_safetensors(str(tmp), arrays)
+    tmp.rename(path / "checkpoint.safetensors")
+    (path / "checkpoint.json").write_text(json.dumps(dict(meta, step=step), indent=1))
+
+
+def _load_checkpoint(path: Path):
+    if not (path / "checkpoint.safetensors").exists() or not (path / "checkpoint.json").exists():
+        return None
+    try:
+        meta = json.loads((path / "checkpoint.json").read_text())
+        arrays = mx.load(str(path / "checkpoint.safetensors"))
+    except Exception as exc:
+        raise UserError(f"corrupt drafter checkpoint in {path} ({type(exc).__name__}); delete it to start over") from None
+    return meta, arrays
+
+
+@dataclass
+class TrainResult:
+    head: DrafterHead
+    steps: int
+    losses: List[float] = field(default_factory=list)
+    wall_s: float = 0.0
+    masked_fraction: float = 0.0  # of (position, draft step) targets outside the draft vocabulary
+
+
+def train_head(lm, train: Sequences, cfg: TrainConfig, checkpoint_dir: Optional[Path] = None,
+               draft_to_full: Optional[np.ndarray] = None, log: Callable[[str], None] = print,
+               progress: bool = True) -> TrainResult:
+    from tqdm import tqdm
+
+    hidden_size, embed_size, vocab = llm_shapes(lm)
+    if draft_to_full is None:
+        eos = sorted(lm.eos_token_ids)
+        draft_to_full = draft_vocabulary(train.tokens, cfg.draft_vocab_size, vocab, always=eos)
+    config = DrafterConfig(llm_hidden_size=hidden_size, embed_size=embed_size, vocab_size=vocab,
+                           draft_vocab_size=len(draft_to_full), num_blocks=cfg.num_blocks,
+                           draft_length=cfg.draft_length, model_name=lm.name,
+                           tokenizer_hash=tokenizer_hash(lm.tokenizer))
+    mx.random.seed(cfg.seed)
+    head = DrafterHead(config, draft_to_full)
+    windows = Windows(train, cfg.draft_length)
+    per_epoch = max(1, len(windows) // cfg.batch_size)
+    total = max(1, int(math.ceil(cfg.epochs * per_epoch)))
+    opt = optim.AdamW(learning_rate=lr_schedule(cfg, total), weight_decay=cfg.weight_decay)
+    opt.init(head.trainable_parameters())
+    step = 0
+    # settings that must match for a resume (a resumed run may stop elsewhere or save more often)
+    same = {k: v for k, v in asdict(cfg).items() if k not in ("max_steps", "checkpoint_every", "compile")}
+    meta = {"train": same, "total_steps": total, "windows": len(windows)}
+    if checkpoint_dir is not None:
+        loaded = _load_checkpoint(Path(checkpoint_dir))
+        if loaded is not None:
+            ck_meta, arrays = loaded
+            if ck_meta.get("train") != meta["train"] or ck_meta.get("windows") != len(windows):
+                raise UserError(f"checkpoint in {checkpoint_dir} was made with other settings or data; "
+                                "delete it or pass the same options")
+            head = DrafterHead(config, arrays["draft_to_full"])
+            head.load_weights([(k[5:], v) for k, v in arrays.items() if k.startswith("head.")])
+            opt_state = tree_unflatten([(k[4:], v) for k, v in arrays.items() if k.startswith("opt.")])
+            opt.state.update(opt_state)
+            step = int(ck_meta["step"])
+            log(f"resumed from {checkpoint_dir} at step {step}/{total}")
+    mx.eval(head.parameters(), opt.state)
+    embed_table = llm_embedding_table(lm)
+
+    # fraction of targets the draft vocabulary cannot express (reported, masked from the loss)
+    targets = train.tokens[(windows.positions[:, None] + np.arange(1, cfg.draft_length + 1))
+                           .clip(max=len(train.tokens) - 1)]
+    tvalid = (windows.positions[:, None] + np.arange(1, cfg.draft_length + 1)) < windows.ends[windows.positions][:, None]
+    outside = ~np.isin(targets, np.array(head.draft_to_full))
+    masked_fraction = float((outside & tvalid).sum() / max(1, tvalid.sum()))
+
+    loss_and_grad = nn.value_and_grad(head, loss_fn)
+
+    def train_step(toks, valid, hidden):
+        loss, grads = loss_and_grad(head, embed_table, toks, valid, hidden)
+        opt.update(head, grads)
+        return loss
+
+    if cfg.compile:
+        state = [head.state, opt.state]
+        train_step = mx.compile(train_step, inputs=state, outputs=state)
+
+    def order(epoch: int) -> np.ndarray:
+        return np.random.default_rng(cfg.seed * 1000 + epoch).permutation(windows.positions)
+
+    stop = total if cfg.max_steps is None else min(total, cfg.max_steps)
+    losses: List[float] = []
+    t0 = time.perf_counter()
+    bar = tqdm(total=stop, initial=step, desc="train", unit="step", disable=not progress, mininterval=2)
+    epoch_cache = (-1, None)
+    try:
+        while step < stop:
+            epoch, within = divmod(step, per_epoch)
+            if epoch_cache[0] != epoch:
+                epoch_cache = (epoch, order(epoch))
+            pos = epoch_cache[1][within * cfg.batch_size:(within + 1) * cfg.batch_size]
+            loss = train_step(*windows.batch(pos))
+            mx.eval(loss, head.state, opt.state)
+            step += 1
+            losses.append(loss.item())  # host sync: one per step, for the progress bar
+            bar.update(1)
+            bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}", lr=f"{float(opt.learning_rate):.1e}")
+            if checkpoint_dir is not None and (step % cfg.checkpoint_every == 0 or step == stop):
+                _save_checkpoint(Path(checkpoint_dir), head, opt, step, meta)
+    finally:
+        bar.close()
+    return TrainResult(head, step, losses, time.perf_counter() - t0, masked_fraction)
+
+
+def evaluate_head(head: DrafterHead, lm, seqs: Sequences, batch_size: int = 512,
+                  embed_table: Optional[mx.array] = None) -> Dict[str, object]:
+    """Teacher-forced top-1 accuracy per draft position on held-out answers, and chain length.
+
+    acc[k]: P(draft token k == the LLM's token) over windows with a k-th target.
+    chain (exact, teacher forced): 1 + mean number of leading correct draft tokens, over
+    windows with all T targets; product estimate: 1 + sum_k prod_{j<=k} acc[j].
+    """
+    T = head.config.draft_length
+    windows = Windows(seqs, T)
+    table = embed_table if embed_table is not None else llm_embedding_table(lm)
+    d2f = head.draft_to_full
+    correct = np.zeros(T)
+    count = np.zeros(T)
+    top4 = np.zeros(T)
+    leading = []
+    for start in range(0, len(windows), batch_size):
+        pos = windows.positions[start:start + batch_size]
+        toks, valid, hidden = windows.batch(pos)
+        logits = unroll(head, table[toks[:, :T]], hidden)  # (B, T, K)
+        pred = d2f[mx.argmax(logits, axis=-1)]  # (B, T) full ids
+        top = d2f[mx.argpartition(-logits, 4, axis=-1)[..., :4]]  # (B, T, 4)
+        tgt = toks[:, 1:]
+        ok = np.array(pred == tgt)
+        ok4 = np.array((top == tgt[..., None]).any(axis=-1))
+        v = np.array(valid[:, 1:])
+        correct += (ok & v).sum(0)
+        top4 += (ok4 & v).sum(0)
+        count += v.sum(0)
+        full = v.all(axis=1)
+        lead = np.cumprod(ok, axis=1).sum(axis=1)
+        leading += list(lead[full])
+    acc = correct / np.maximum(count, 1)
+    chain_product = 1 + float(np.sum(np.cumprod(acc)))
+    return {
+        "windows": int(len(windows)),
+        "acc": [round(float(a), 4) for a in acc],
+        "top4": [round(float(a), 4) for a in top4 / np.maximum(count, 1)],
+        "chain_tokens_per_step_exact": round(1 + float(np.mean(leading)) if leading else 1.0, 4),
+        "chain_tokens_per_step_product": round(chain_product, 4),
+    }
+
+
+def time_logits(head_full: DrafterHead, head_k: DrafterHead, batch: int = 4, repeats: int = 50) -> Dict[str, float]:
+    """Milliseconds per `logits` call (batch rows) for a full-vocabulary head and a K head."""
+    out = {}
+    for name, h in (("full", head_full), ("k", head_k)):
+        E, D = h.config.embed_size, h.config.llm_hidden_size
+        s, hid = mx.random.normal((batch, E)), mx.random.normal((batch, D))
+        for _ in range(5):
+            mx.eval(h.logits(s, hid))
+        t = time.perf_counter()
+        for _ in range(repeats):
+            mx.eval(h.logits(s, hid))
+        out[name] = (time.perf_counter() - t) / repeats * 1000
+    return out
+
+
+def measure_draft_vocab(lm, train: Sequences, valid: Sequences, ks=(1024, 2048, 4096, 8192),
+                        batch: int = 4) -> Dict[str, object]:
+    """Coverage of the held-out answers' tokens and `logits` time (batch rows) per draft-vocab K."""
+    hidden_size, embed_size, vocab = llm_shapes(lm)
+
+    def head_for(k: int) -> DrafterHead:
+        cfg = DrafterConfig(hidden_size, embed_size, vocab, k)
+        h = DrafterHead(cfg, draft_vocabulary(train.tokens, k, vocab) if k < vocab else None)
+        mx.eval(h.parameters())
+        return h
+
+    full = head_for(vocab)
+    rows = {}
+    for k in ks:
+        d2f = draft_vocabulary(train.tokens, k, vocab, always=sorted(lm.eos_token_ids))
+        times = time_logits(full, head_for(k), batch=batch)
+        rows[str(k)] = {"valid_coverage": round(coverage(valid.tokens, d2f), 4),
+                        "train_coverage": round(coverage(train.tokens, d2f), 4),
+                        "logits_ms": round(times["k"], 3), "full_logits_ms": round(times["full"], 3)}
+    return {"batch": batch, "vocab": vocab, "distinct_train_tokens": int(len(np.unique(train.tokens))),
+            "by_k": rows}
+
+
+def run_pipeline(lm, prompts: Path, data_dir: Path, output: Path, checkpoint_dir: Path,
+                 cfg: TrainConfig, max_new_tokens: int = 192, data_batch: int = 32,
+                 measure_k: bool = True, log: Callable[[str], None] = print) -> Dict[str, object]:
+    """Distillation data (resumable) -> K measurement -> training (resumable) -> eval -> save."""
+    from .data import DataConfig, generate_data, load_split
+
+    t0 = time.perf_counter()
+    generate_data(lm, DataConfig(prompts=prompts, out=data_dir, max_new_tokens=max_new_tokens,
+                                 batch_size=data_batch), log=log)
+    train, valid = load_split(data_dir, "train"), load_split(data_dir, "valid")
+    log(f"data: {len(train.offsets) - 1} train answers / {len(train.tokens)} tokens, "
+        f"{len(valid.offsets) - 1} valid answers / {len(valid.tokens)} tokens")
+    report: Dict[str, object] = {"data": {
+        "train_answers": len(train.offsets) - 1, "train_tokens": int(len(train.tokens)),
+        "valid_answers": len(valid.offsets) - 1, "valid_tokens": int(len(valid.tokens)),
+        "valid_prompt_ids": [int(i) for i in valid.prompt_ids], "max_new_tokens": max_new_tokens}}
+    if measure_k:
+        report["draft_vocab"] = measure_draft_vocab(lm, train, valid)
+        log("draft vocabulary: " + json.dumps(report["draft_vocab"]["by_k"]))
+    result = train_head(lm, train, cfg, checkpoint_dir=checkpoint_dir, log=log)
+    report["train"] = {"config": asdict(cfg), "steps": result.steps,
+                       "wall_s_this_run": round(result.wall_s, 1),
+                       "masked_target_fraction": round(result.masked_fraction, 4),
+                       "final_loss_mean_last_50": round(float(np.mean(result.losses[-50:])), 4) if result.losses else None,
+                       "params": result.head.num_params()}
+    report["valid"] = evaluate_head(result.head, lm, valid)
+    log("validation: " + json.dumps(report["valid"]))
+    save_drafter(result.head, output)
+    report["size_bytes"] = sum(p.stat().st_size for p in Path(output).iterdir() if p.is_file())
+    report["wall_s_total_this_run"] = round(time.perf_counter() - t0, 1)
+    (Path(output) / "training.json").write_text(json.dumps(report, indent=1) + "\n")
+    log(f"wrote {output} ({report['size_bytes'] / 1e6:.1f} MB)")
+    return report

@@ -1,0 +1,153 @@
+"""ReDrafter draft head: shapes, save/load, refusing another model's head, training, resume."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from conftest import make_tiny_lm
+from mlx_specdec.drafter.data import Sequences
+from mlx_specdec.drafter.head import (DrafterConfig, DrafterHead, DrafterMismatch, load_drafter,
+                                      save_drafter, tokenizer_hash)
+from mlx_specdec.drafter.train import TrainConfig, draft_vocabulary, evaluate_head, train_head
+from mlx_specdec.errors import UserError
+
+
+def tiny_config(lm, **kw):
+    d = dict(llm_hidden_size=64, embed_size=64, vocab_size=97, draft_vocab_size=40,
+             model_name="tiny", tokenizer_hash=tokenizer_hash(lm.tokenizer))
+    d.update(kw)
+    return DrafterConfig(**d)
+
+
+def params(head):
+    return {k: np.array(v) for k, v in tree_flatten(head.parameters())}
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return make_tiny_lm()
+
+
+def test_shapes_and_vocab_maps(lm):
+    head = DrafterHead(tiny_config(lm), draft_to_full=list(range(50, 90)))
+    e = lm.model.model.embed_tokens(mx.array([[3, 4, 5], [6, 7, 8]]))  # (2, 3, 64)
+    s = head.initial_state(e[:, 0])
+    assert s.shape == (2, 64)
+    s2 = head.next_state(s, e[:, 1])
+    assert s2.shape == (2, 64)
+    h = mx.random.normal((2, 64))
+    assert head.logits(s2, h).shape == (2, 40)
+    # beams: (B, W, E) states with one hidden per row broadcast
+    sw = mx.broadcast_to(s2[:, None], (2, 3, 64))
+    assert head.logits(sw, h[:, None]).shape == (2, 3, 40)
+    assert head.draft_to_full.tolist() == list(range(50, 90))
+    f2d = head.full_to_draft.tolist()
+    assert f2d[50] == 0 and f2d[89] == 39 and f2d[0] == -1 and f2d[96] == -1
+    # the maps are not parameters
+    assert not any("draft" in k for k, _ in tree_flatten(head.parameters()))
+
+
+def test_save_load_round_trip_exact(lm, tmp_path):
+    head = DrafterHead(tiny_config(lm), draft_to_full=list(range(40)))
+    save_drafter(head, tmp_path, dtype=mx.float32)
+    loaded = load_drafter(tmp_path, lm)
+    assert loaded.config == head.config
+    a, b = params(head), params(loaded)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+    assert loaded.draft_to_full.tolist() == list(range(40))
+    # the default fp16 save loads as float32
+    save_drafter(head, tmp_path / "f16")
+    loaded16 = load_drafter(tmp_path / "f16", lm)
+    assert all(v.dtype == mx.float32 for _, v in tree_flatten(loaded16.parameters()))
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("llm_hidden_size", 128, "hidden size 128"),
+    ("vocab_size", 1000, "vocabulary size 1000"),
+    ("tokenizer_hash", "0" * 64, "another tokenizer"),
+])
+def test_load_refuses_other_models_head(lm, tmp_path, field, value, words):
+    cfg = tiny_config(lm)
+    head = DrafterHead(cfg, draft_to_full=list(range(40)))
+    save_drafter(head, tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(DrafterMismatch) as err:
+        load_drafter(tmp_path, lm)
+    assert words in str(err.value) and "\n" not in str(err.value)
+    assert isinstance(err.value, UserError)
+
+
+def test_missing_or_corrupt_files_are_user_errors(lm, tmp_path):
+    with pytest.raises(UserError, match="no drafter directory"):
+        load_drafter(tmp_path / "nope", lm)
+    head = DrafterHead(tiny_config(lm), draft_to_full=list(range(40)))
+    save_drafter(head, tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(UserError, match="corrupt drafter weights"):
+        load_drafter(tmp_path, lm)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(UserError, match="corrupt drafter config"):
+        load_drafter(tmp_path, lm)
+
+
+def synthetic_data(lm, n_seq=12, length=40, seed=0):
+    """Answers following a fixed rule (next = 3*t+1 mod 97), hidden states from the tiny LM."""
+    rng = np.random.default_rng(seed)
+    toks, offs = [], [0]
+    for _ in range(n_seq):
+        t = int(rng.integers(3, 97))
+        seq = []
+        for _ in range(length):
+            seq.append(t)
+            t = (3 * t + 1) % 97
+        toks += seq
+        offs.append(len(toks))
+    tokens = np.array(toks, np.int32)
+    hidden = np.array(lm.model.model.embed_tokens(mx.array(tokens))).astype(np.float16)
+    return Sequences(tokens, hidden, np.array(offs, np.int64), np.arange(n_seq))
+
+
+def test_training_reduces_loss(lm):
+    data = synthetic_data(lm)
+    cfg = TrainConfig(draft_vocab_size=64, draft_length=3, batch_size=32, epochs=10, lr=3e-3,
+                      checkpoint_every=1000)
+    result = train_head(lm, data, cfg, progress=False, log=lambda *_: None)
+    first, last = np.mean(result.losses[:3]), np.mean(result.losses[-3:])
+    assert last < 0.5 * first, (first, last)
+    report = evaluate_head(result.head, lm, data)
+    assert report["acc"][0] > 0.5
+
+
+def test_resume_continues_at_saved_step_with_identical_parameters(lm, tmp_path):
+    data = synthetic_data(lm)
+    base = dict(draft_vocab_size=64, draft_length=3, batch_size=32, epochs=2, checkpoint_every=3)
+    straight = train_head(lm, data, TrainConfig(**base, max_steps=6), progress=False, log=lambda *_: None)
+    part = train_head(lm, data, TrainConfig(**base, max_steps=3), checkpoint_dir=tmp_path,
+                      progress=False, log=lambda *_: None)
+    assert json.loads((tmp_path / "checkpoint.json").read_text())["step"] == 3
+    messages = []
+    again = train_head(lm, data, TrainConfig(**base, max_steps=3), checkpoint_dir=tmp_path,
+                       progress=False, log=messages.append)
+    assert again.steps == 3 and "at step 3" in messages[0]
+    a, b = params(part.head), params(again.head)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+    resumed = train_head(lm, data, TrainConfig(**base, max_steps=6), checkpoint_dir=tmp_path,
+                         progress=False, log=lambda *_: None)
+    assert resumed.steps == 6
+    a, b = params(straight.head), params(resumed.head)
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-7)
+
+
+def test_draft_vocabulary_keeps_most_frequent_and_eos():
+    tokens = np.array([5] * 10 + [7] * 5 + [9] * 3 + [11], np.int32)
+    assert draft_vocabulary(tokens, 2, 20).tolist() == [5, 7]
+    assert sorted(draft_vocabulary(tokens, 3, 20, always=[2]).tolist()) == [2, 5, 7]
