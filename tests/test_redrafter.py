@@ -187,3 +187,35 @@ def test_only_redrafter_decodes_batches():
 
     with pytest.raises(UserError, match="decodes one prompt at a time"):
         Engine(make_tiny_lm(), drafter=None).generate_ids_batch([[5], [6]], "ar")
+
+
+def test_sampling_redrafter_samples_the_models_distribution():
+    """End to end at temperature 1: the second token (produced by draft-verify-accept: an accepted
+    draft, a resample or a bonus token) follows the model's own marginal distribution
+    P(t2) = sum_t1 p(t1) p(t2 | t1) (chi-square, about p = 0.001)."""
+    lm = make_tiny_lm(seed=3, eos_id=96)
+    engine = engine_with(lm, oracle_head(lm, PROMPTS, corrupt=0.5))
+    prompt = PROMPTS[0]
+    seconds = []
+    for seed in range(800):
+        tokens, _ = run(engine, prompt, "redrafter", max_tokens=2, temperature=1.0, seed=seed,
+                        options={"beam_width": 2, "beam_length": 3})
+        if not tokens:  # the first token was EOS: no second token
+            continue
+        seconds.append(tokens[1] if len(tokens) > 1 else 96)  # a 1-token answer ended with EOS (96)
+    model = lm.model
+    p_first = np.array(mx.softmax(model(mx.array(prompt)[None])[0, -1]))
+    p_first[96] = 0.0  # runs that start with EOS were skipped
+    p_first /= p_first.sum()
+    batch = mx.array([prompt + [t] for t in range(97)])
+    p_second = np.array(mx.softmax(model(batch)[:, -1], axis=-1))  # (97, 97): p(t2 | t1)
+    expected = (p_first[:, None] * p_second).sum(0) * len(seconds)
+    observed = np.bincount(seconds, minlength=97).astype(float)
+    big = expected >= 5  # pool the rare tokens into one cell
+    obs, exp = observed[big], expected[big]
+    if (~big).any():
+        obs, exp = np.append(obs, observed[~big].sum()), np.append(exp, expected[~big].sum())
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    df = len(obs) - 1
+    critical = df + 3.09 * np.sqrt(2 * df) + 3  # ~ the 0.001 quantile (normal approx., generous for small df)
+    assert df >= 5 and chi2 < critical, (chi2, df)
