@@ -17,13 +17,15 @@ from .base import DecodeContext, Step, new_contiguous_cache, prefill
 
 def autoregressive(ctx: DecodeContext) -> Iterator[Step]:
     model, sampler = ctx.lm.model, ctx.sampler
+    greedy = ctx.params.greedy
     cache = new_contiguous_cache(ctx)
     prefill(ctx, cache, ctx.prompt[:-1])
 
     def next_token(token: mx.array) -> mx.array:  # token: (1,) -> (1,)
         logits = forward(model, token[None], cache, logits_for="last").logits[:, -1, :]  # (1, V)
-        logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        return sampler(logprobs)
+        if greedy:  # argmax needs no normalisation: skip a vocabulary-wide logsumexp per token
+            return mx.argmax(logits, axis=-1)
+        return sampler(logits - mx.logsumexp(logits, keepdims=True))
 
     eos = ctx.lm.eos_token_ids
     token = next_token(mx.array(ctx.prompt[-1:]))
