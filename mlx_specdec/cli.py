@@ -240,11 +240,14 @@ def cmd_train_drafter(args) -> int:
         raise UserError("--draft-vocab, --draft-length and --batch-size must be positive")
     if args.epochs <= 0 or args.lr <= 0:
         raise UserError("--epochs and --lr must be positive")
-    prompts = Path(args.prompts)
-    if not prompts.exists():
-        raise UserError(f"no prompt file {prompts}")
-    if prompts.resolve() == (Path(__file__).resolve().parents[1] / "benchmarks" / "prompts.jsonl"):
-        raise UserError("benchmarks/prompts.jsonl is the benchmark set; never train on it")
+    prompts = [Path(p) for p in _comma_list(args.prompts)]
+    for prompt_file in prompts:
+        if not prompt_file.exists():
+            raise UserError(f"no prompt file {prompt_file}")
+        if prompt_file.resolve() == (Path(__file__).resolve().parents[1] / "benchmarks" / "prompts.jsonl"):
+            raise UserError("benchmarks/prompts.jsonl is the benchmark set; never train on it")
+    if args.output_kind not in ("draft_vocab", "llm_head"):
+        raise UserError("--output-kind is draft_vocab or llm_head")
     engine = _load_engine(args)
     tag = Path(args.output).name
     data_dir = Path(args.data_dir) if args.data_dir else home() / "drafter-data" / tag
@@ -252,7 +255,7 @@ def cmd_train_drafter(args) -> int:
     cfg = TrainConfig(draft_vocab_size=args.draft_vocab, draft_length=args.draft_length,
                       num_blocks=args.blocks, batch_size=args.batch_size, epochs=args.epochs,
                       lr=args.lr, seed=args.seed, checkpoint_every=args.checkpoint_every,
-                      max_steps=args.max_steps)
+                      max_steps=args.max_steps, output=args.output_kind, feature_loss=args.feature_loss)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     run_pipeline(engine.lm, prompts, data_dir, Path(args.output), ckpt, cfg,
                  max_new_tokens=args.max_new_tokens, data_batch=args.data_batch,
@@ -309,8 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "hidden states (resumable from checkpoints), evaluate it on "
                                    "held-out prompts and save it with a training.json report.")
     _add_model_args(p)
-    p.add_argument("--prompts", default="data/train_prompts.jsonl",
-                   help="JSON lines with id and prompt fields (default: %(default)s)")
+    p.add_argument("--prompts", default="data/train_prompts.jsonl,data/train_prompts_extra.jsonl",
+                   help="comma list of JSON-lines prompt files (id, prompt) (default: %(default)s)")
     p.add_argument("--output", "-o", default="models/drafter-smollm2-135m",
                    help="where the head is saved (default: %(default)s)")
     p.add_argument("--data-dir", default=None,
@@ -322,6 +325,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", type=int, default=4096,
                    help="K most frequent answer tokens the head predicts (default: %(default)s)")
     p.add_argument("--draft-length", type=int, default=5, help="tokens trained per window (default: %(default)s)")
+    p.add_argument("--output-kind", default="llm_head",
+                   help="head output: llm_head (predict the LLM's next hidden state, score with the LLM's own "
+                        "output rows) or draft_vocab (a learned K-way projection) (default: %(default)s)")
+    p.add_argument("--feature-loss", type=float, default=1.0,
+                   help="weight of the hidden-state regression for llm_head (default: %(default)s)")
     p.add_argument("--blocks", type=int, default=2, help="residual blocks (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=256, help="windows per step (default: %(default)s)")
     p.add_argument("--epochs", type=float, default=2.0, help="epochs (default: %(default)s)")

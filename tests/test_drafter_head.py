@@ -151,3 +151,29 @@ def test_draft_vocabulary_keeps_most_frequent_and_eos():
     tokens = np.array([5] * 10 + [7] * 5 + [9] * 3 + [11], np.int32)
     assert draft_vocabulary(tokens, 2, 20).tolist() == [5, 7]
     assert sorted(draft_vocabulary(tokens, 3, 20, always=[2]).tolist()) == [2, 5, 7]
+
+
+def test_llm_head_output_scores_with_the_llms_own_rows(lm, tmp_path):
+    """output="llm_head": logits = predicted hidden @ the LLM's output rows of the draft vocab;
+    the rows are not stored but re-attached from the LLM on load (same logits after a round trip)."""
+    from mlx_specdec.drafter.head import llm_output_rows
+
+    ids = mx.array(np.arange(3, 43))
+    head = DrafterHead(tiny_config(lm, output="llm_head"), ids)
+    head.attach_output_rows(llm_output_rows(lm, head.draft_to_full))
+    s, h = mx.random.normal((2, 64)), mx.random.normal((2, 64))
+    want = head.predict_hidden(s, h) @ lm.model.lm_head.weight[ids].T  # untied tiny model
+    assert mx.allclose(head.logits(s, h), want, atol=1e-5).item()
+    save_drafter(head, tmp_path / "d", dtype=mx.float32)
+    assert "_output_rows" not in mx.load(str(tmp_path / "d" / "model.safetensors"))
+    again = load_drafter(tmp_path / "d", lm)
+    assert mx.allclose(again.logits(s, h), head.logits(s, h), atol=1e-6).item()
+
+
+def test_llm_head_training_reduces_loss(lm):
+    data = synthetic_data(lm)
+    cfg = TrainConfig(draft_vocab_size=64, draft_length=3, batch_size=32, epochs=10, lr=3e-3,
+                      checkpoint_every=1000, output="llm_head")
+    result = train_head(lm, data, cfg, progress=False, log=lambda *_: None)
+    assert np.mean(result.losses[-3:]) < 0.5 * np.mean(result.losses[:3])
+    assert evaluate_head(result.head, lm, data)["acc"][0] > 0.5

@@ -211,3 +211,14 @@ def load_split(directory: Path, split: str) -> Sequences:
         offs += list(offs[-1] + o[1:])
         pids.append(p)
     return Sequences(np.concatenate(toks), np.concatenate(hids), np.array(offs, np.int64), np.concatenate(pids))
+
+
+def load_splits(directories: Sequence[Path], split: str) -> Sequences:
+    """One split over several data directories (one per prompt file), concatenated."""
+    parts = [load_split(d, split) for d in directories]
+    offsets, base = [np.zeros(1, np.int64)], 0
+    for part in parts:
+        offsets.append(part.offsets[1:] + base)
+        base += len(part.tokens)
+    return Sequences(np.concatenate([p.tokens for p in parts]), np.concatenate([p.hidden for p in parts]),
+                     np.concatenate(offsets), np.concatenate([p.prompt_ids for p in parts]))

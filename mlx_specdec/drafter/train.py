@@ -6,7 +6,9 @@ For a response position i with hidden state hidden[i] (which produced tokens[i])
     s_k = next_state(s_{k-1}, e(tokens[i+k-1])),  logits_k                    -> tokens[i+k]
 
 for k = 1..T (T = draft_length), cross-entropy over the draft vocabulary; targets past the end
-of the answer or outside the draft vocabulary are masked out of the loss. AdamW with a linear
+of the answer or outside the draft vocabulary are masked out of the loss. With output="llm_head"
+the head also regresses its predicted hidden state at step k onto hidden[i+k], the LLM's real
+hidden state that produced tokens[i+k] (smooth L1, weight `feature_loss`), as EAGLE does. AdamW with a linear
 warm-up then cosine decay. Checkpoints (head + optimizer + step) let an interrupted run resume
 with exactly the same batches (the data order is a fixed function of seed and epoch).
 """
@@ -18,7 +20,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,7 +30,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import UserError
 from .data import Sequences
-from .head import DrafterConfig, DrafterHead, llm_shapes, save_drafter, tokenizer_hash
+from .head import DrafterConfig, DrafterHead, llm_output_rows, llm_shapes, save_drafter, tokenizer_hash
 
 
 @dataclass
@@ -45,6 +47,8 @@ class TrainConfig:
     checkpoint_every: int = 50
     max_steps: Optional[int] = None  # stop early (for tests / partial runs)
     compile: bool = True
+    output: str = "draft_vocab"  # "draft_vocab" | "llm_head" (DrafterConfig.output)
+    feature_loss: float = 1.0  # weight of the hidden-state regression (output="llm_head")
 
 
 def draft_vocabulary(tokens: np.ndarray, k: int, vocab_size: int, always: Optional[List[int]] = None) -> np.ndarray:
@@ -85,31 +89,47 @@ class Windows:
         toks = self.seqs.tokens[np.minimum(idx, len(self.seqs.tokens) - 1)]
         toks = np.where(valid, toks, 0).astype(np.int32)
         hidden = self.seqs.hidden[pos]
-        return mx.array(toks), mx.array(valid), mx.array(hidden.astype(np.float32))
+        # the LLM's hidden states that produced the targets tokens[i+1..i+T] (feature targets)
+        following = self.seqs.hidden[np.minimum(idx[:, 1:], len(self.seqs.tokens) - 1)]  # (B, T, D)
+        return (mx.array(toks), mx.array(valid), mx.array(hidden.astype(np.float32)),
+                mx.array(following.astype(np.float32)))
+
+
+def unroll_states(head: DrafterHead, embeddings: mx.array) -> mx.array:
+    """Teacher-forced RNN states. embeddings (B, T, E) of tokens i..i+T-1 -> states (B, T, E)."""
+    s = head.initial_state(embeddings[:, 0])
+    states = [s]
+    for k in range(1, embeddings.shape[1]):
+        s = head.next_state(s, embeddings[:, k])
+        states.append(s)
+    return mx.stack(states, axis=1)
 
 
 def unroll(head: DrafterHead, embeddings: mx.array, hidden: mx.array) -> mx.array:
     """Teacher-forced draft logits. embeddings (B, T, E) of tokens i..i+T-1 -> (B, T, K)."""
-    T = embeddings.shape[1]
-    s = head.initial_state(embeddings[:, 0])
-    out = []
-    for k in range(T):
-        if k:
-            s = head.next_state(s, embeddings[:, k])
-        out.append(head.logits(s, hidden))
-    return mx.stack(out, axis=1)  # (B, T, K)
+    return head.logits(unroll_states(head, embeddings), hidden[:, None, :])
 
 
-def loss_fn(head: DrafterHead, embed_table: mx.array, toks: mx.array, valid: mx.array, hidden: mx.array):
-    """Mean CE over (position, draft step) pairs whose target is in the draft vocabulary."""
+def loss_fn(head: DrafterHead, embed_table: mx.array, toks: mx.array, valid: mx.array, hidden: mx.array,
+            following: mx.array, feature_weight: float = 0.0):
+    """Mean CE over (position, draft step) pairs whose target is in the draft vocabulary, plus
+    (output="llm_head") the smooth-L1 distance of the predicted to the real next hidden states."""
     T = toks.shape[1] - 1
-    emb = embed_table[toks[:, :T]]  # (B, T, E)
-    logits = unroll(head, emb, hidden)  # (B, T, K)
+    states = unroll_states(head, embed_table[toks[:, :T]])  # (B, T, E)
     target = head.full_to_draft[toks[:, 1:]]  # (B, T), -1 outside the draft vocabulary
-    mask = valid[:, 1:] & (target >= 0)
+    in_answer = valid[:, 1:]
+    mask = in_answer & (target >= 0)
+    if head.config.output == "llm_head":
+        predicted = head.predict_hidden(states, hidden[:, None, :])  # (B, T, D)
+        logits = predicted @ head._output_rows.T
+    else:
+        logits = head.logits(states, hidden[:, None, :])  # (B, T, K)
     ce = nn.losses.cross_entropy(logits, mx.maximum(target, 0), reduction="none")  # (B, T)
-    n = mx.maximum(mask.sum(), 1)
-    return (ce * mask).sum() / n
+    loss = (ce * mask).sum() / mx.maximum(mask.sum(), 1)
+    if head.config.output == "llm_head" and feature_weight:
+        distance = nn.losses.smooth_l1_loss(predicted, following, reduction="none").mean(axis=-1)  # (B, T)
+        loss = loss + feature_weight * (distance * in_answer).sum() / mx.maximum(in_answer.sum(), 1)
+    return loss
 
 
 def llm_embedding_table(lm) -> mx.array:
@@ -172,9 +192,16 @@ def train_head(lm, train: Sequences, cfg: TrainConfig, checkpoint_dir: Optional[
     config = DrafterConfig(llm_hidden_size=hidden_size, embed_size=embed_size, vocab_size=vocab,
                            draft_vocab_size=len(draft_to_full), num_blocks=cfg.num_blocks,
                            draft_length=cfg.draft_length, model_name=lm.name,
-                           tokenizer_hash=tokenizer_hash(lm.tokenizer))
+                           tokenizer_hash=tokenizer_hash(lm.tokenizer), output=cfg.output)
     mx.random.seed(cfg.seed)
-    head = DrafterHead(config, draft_to_full)
+
+    def new_head(d2f) -> DrafterHead:
+        head = DrafterHead(config, d2f)
+        if config.output == "llm_head":
+            head.attach_output_rows(llm_output_rows(lm, head.draft_to_full))
+        return head
+
+    head = new_head(draft_to_full)
     windows = Windows(train, cfg.draft_length)
     per_epoch = max(1, len(windows) // cfg.batch_size)
     total = max(1, int(math.ceil(cfg.epochs * per_epoch)))
@@ -191,7 +218,7 @@ def train_head(lm, train: Sequences, cfg: TrainConfig, checkpoint_dir: Optional[
             if ck_meta.get("train") != meta["train"] or ck_meta.get("windows") != len(windows):
                 raise UserError(f"checkpoint in {checkpoint_dir} was made with other settings or data; "
                                 "delete it or pass the same options")
-            head = DrafterHead(config, arrays["draft_to_full"])
+            head = new_head(arrays["draft_to_full"])
             head.load_weights([(k[5:], v) for k, v in arrays.items() if k.startswith("head.")])
             opt_state = tree_unflatten([(k[4:], v) for k, v in arrays.items() if k.startswith("opt.")])
             opt.state.update(opt_state)
@@ -209,8 +236,8 @@ def train_head(lm, train: Sequences, cfg: TrainConfig, checkpoint_dir: Optional[
 
     loss_and_grad = nn.value_and_grad(head, loss_fn)
 
-    def train_step(toks, valid, hidden):
-        loss, grads = loss_and_grad(head, embed_table, toks, valid, hidden)
+    def train_step(toks, valid, hidden, following):
+        loss, grads = loss_and_grad(head, embed_table, toks, valid, hidden, following, cfg.feature_loss)
         opt.update(head, grads)
         return loss
 
@@ -263,7 +290,7 @@ def evaluate_head(head: DrafterHead, lm, seqs: Sequences, batch_size: int = 512,
     leading = []
     for start in range(0, len(windows), batch_size):
         pos = windows.positions[start:start + batch_size]
-        toks, valid, hidden = windows.batch(pos)
+        toks, valid, hidden, _ = windows.batch(pos)
         logits = unroll(head, table[toks[:, :T]], hidden)  # (B, T, K)
         pred = d2f[mx.argmax(logits, axis=-1)]  # (B, T) full ids
         top = d2f[mx.argpartition(-logits, 4, axis=-1)[..., :4]]  # (B, T, 4)
@@ -326,16 +353,18 @@ def measure_draft_vocab(lm, train: Sequences, valid: Sequences, ks=(1024, 2048, 
             "by_k": rows}
 
 
-def run_pipeline(lm, prompts: Path, data_dir: Path, output: Path, checkpoint_dir: Path,
+def run_pipeline(lm, prompts: Sequence[Path], data_dir: Path, output: Path, checkpoint_dir: Path,
                  cfg: TrainConfig, max_new_tokens: int = 192, data_batch: int = 32,
                  measure_k: bool = True, log: Callable[[str], None] = print) -> Dict[str, object]:
     """Distillation data (resumable) -> K measurement -> training (resumable) -> eval -> save."""
-    from .data import DataConfig, generate_data, load_split
+    from .data import DataConfig, generate_data, load_splits
 
     t0 = time.perf_counter()
-    generate_data(lm, DataConfig(prompts=prompts, out=data_dir, max_new_tokens=max_new_tokens,
-                                 batch_size=data_batch), log=log)
-    train, valid = load_split(data_dir, "train"), load_split(data_dir, "valid")
+    directories = [Path(data_dir) / Path(p).stem for p in prompts]  # one data directory per prompt file
+    for prompt_file, directory in zip(prompts, directories):
+        generate_data(lm, DataConfig(prompts=Path(prompt_file), out=directory, max_new_tokens=max_new_tokens,
+                                     batch_size=data_batch), log=log)
+    train, valid = load_splits(directories, "train"), load_splits(directories, "valid")
     log(f"data: {len(train.offsets) - 1} train answers / {len(train.tokens)} tokens, "
         f"{len(valid.offsets) - 1} valid answers / {len(valid.tokens)} tokens")
     report: Dict[str, object] = {"data": {
