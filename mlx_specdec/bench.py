@@ -282,3 +282,78 @@ def render(result: dict, fmt: str) -> str:
 
 def print_summary(result: dict, stream=sys.stderr) -> None:
     print(_md_table(result["summary"], SUMMARY_COLUMNS), file=stream)
+
+
+# -- plot: which method wins where ----------------------------------------------------------------
+
+def per_category(result: dict) -> List[dict]:
+    """Decode tok/s and speed-up over plain decoding (ar) per method config and prompt category,
+    pooled over prompts and repeats (tokens / time; speed-up = AR decode time / method decode time
+    on the same prompts), plus an 'all' category."""
+    rows = result["rows"]
+    ar_time = {(r["prompt_id"], r["repeat"]): r["decode_s"] for r in rows if r["method"] == "ar" and r["config"] == "-"}
+    categories = sorted({r["category"] for r in rows})
+    categories += ["all"] if len(categories) > 1 else []
+    out = []
+    for s in result["summary"]:
+        for category in categories:
+            mine = [r for r in rows if r["method"] == s["method"] and r["config"] == s["config"]
+                    and (category == "all" or r["category"] == category)]
+            decode_s = sum(r["decode_s"] for r in mine)
+            tokens = sum(max(r["new_tokens"] - 1, 0) for r in mine)
+            ar_s = sum(ar_time.get((r["prompt_id"], r["repeat"]), 0.0) for r in mine)
+            out.append({"method": s["method"], "config": s["config"], "category": category,
+                        "prompts": len(mine), "decode_tps": tokens / decode_s if decode_s else 0.0,
+                        "speedup_vs_ar": ar_s / decode_s if decode_s else 0.0})
+    return out
+
+
+def plot_bench(result: dict, path: Path) -> Path:
+    """Two grouped bar charts (decode tok/s; speed-up over ar) by prompt category, one bar per
+    method config, written as a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install 'mlx-specdec[plot]'") from None
+    table = per_category(result)
+    labels = []
+    for t in table:
+        label = t["method"] if t["config"] == "-" else f"{t['method']} ({t['config']})"
+        if label not in labels:
+            labels.append(label)
+    categories = list(dict.fromkeys(t["category"] for t in table))
+    env = result.get("environment", {})
+    params = result.get("params", {})
+    fig, axes = plt.subplots(1, 2, figsize=(max(10.0, 1.1 * len(categories) * max(len(labels), 2) + 3), 5.2),
+                             constrained_layout=True)
+    width = 0.8 / max(len(labels), 1)
+    for ax, key, title in ((axes[0], "decode_tps", "decode tokens/s (higher is faster)"),
+                           (axes[1], "speedup_vs_ar", "speed-up over plain decoding (ar = 1)")):
+        for i, label in enumerate(labels):
+            values = []
+            for category in categories:
+                match = [t for t in table if (t["method"] if t["config"] == "-" else
+                                              f"{t['method']} ({t['config']})") == label and t["category"] == category]
+                values.append(match[0][key] if match else 0.0)
+            xs = [c + (i - (len(labels) - 1) / 2) * width for c in range(len(categories))]
+            bars = ax.bar(xs, values, width, label=label)
+            ax.bar_label(bars, fmt="%.2f" if key == "speedup_vs_ar" else "%.1f", fontsize=7, padding=1)
+        if key == "speedup_vs_ar":
+            ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+        ax.set_xticks(range(len(categories)), categories, rotation=20, ha="right")
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="outside lower center", ncol=min(len(names), 4), fontsize=8)
+    fig.suptitle(f"{env.get('model', '?')} ({env.get('dtype', '?')}) on {env.get('machine', '?')}, "
+                 f"{env.get('device', '')}, BLAS {env.get('blas', '?')}\n"
+                 f"{len({r['prompt_id'] for r in result['rows']})} prompts, max {params.get('max_tokens', '?')} "
+                 f"tokens, T={params.get('temperature', 0)}, {params.get('repeats', 1)} repeat(s)", fontsize=9)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -24,7 +24,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="compute dtype; auto = float32 on the CPU, the model's own on Metal")
 
 
-METHODS_HELP = "ar (plain), mlx-lm (peer baseline), redrafter"
+METHODS_HELP = "ar (plain), mlx-lm (peer baseline), redrafter, apar"
 
 
 def _add_method_args(p: argparse.ArgumentParser, lists: bool = False) -> None:
@@ -38,6 +38,10 @@ def _add_method_args(p: argparse.ArgumentParser, lists: bool = False) -> None:
                    help=f"redrafter: {kind}beam length L, the LLM's token + L-1 drafts (default: 5)")
     p.add_argument("--profile", action="store_true",
                    help="redrafter: sync after each phase to report draft/verify/accept time (slower)")
+    p.add_argument("--max-threads", default=None,
+                   help=f"apar: {kind}most live threads per answer (default: 32)")
+    p.add_argument("--max-depth", default=None,
+                   help=f"apar: {kind}deepest fork, 0 = never fork (default: 2)")
 
 
 def _method_options(args) -> dict:
@@ -48,7 +52,21 @@ def _method_options(args) -> dict:
         options["beam_length"] = _positive_int(args.beam_length, "--beam-length")
     if args.profile:
         options["profile"] = True
+    if args.max_threads is not None:
+        options["max_threads"] = _positive_int(args.max_threads, "--max-threads")
+    if args.max_depth is not None:
+        options["max_depth"] = _nonnegative_int(args.max_depth, "--max-depth")
     return options
+
+
+def _nonnegative_int(text: str, flag: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise UserError(f"{flag} takes a whole number, not {text!r}") from None
+    if value < 0:
+        raise UserError(f"{flag} must be at least 0")
+    return value
 
 
 def _positive_int(text: str, flag: str) -> int:
@@ -109,11 +127,15 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    """A plain streaming terminal chat (the Textual app replaces it when it lands)."""
+    """The Textual chat app (`tui/`); `--plain` keeps the line-by-line terminal chat."""
     from .engine import check_method
 
     check_method(args.method)
     params = _params(args)
+    if not args.plain:
+        from tui.cli import run_chat  # the app lives outside the engine: nothing here imports Textual
+
+        return run_chat(args, params)
     engine = _load_engine(args)
     print(f"Chatting with {engine.lm.describe()} using {args.method}. "
           "Type /quit to leave, /reset to start over; Ctrl-C stops an answer.", file=sys.stderr)
@@ -166,7 +188,7 @@ def _comma_list(text: str, kind=str) -> List:
 
 
 def cmd_bench(args) -> int:
-    from .bench import expand_configs, load_prompts, print_summary, render, run_bench
+    from .bench import expand_configs, load_prompts, plot_bench, print_summary, render, run_bench
     from .decoding import GenerationParams
 
     methods = _comma_list(args.methods)
@@ -177,11 +199,18 @@ def cmd_bench(args) -> int:
         redrafter_grid["beam_length"] = [_positive_int(v, "--beam-length") for v in _comma_list(args.beam_length)]
     if args.profile:
         redrafter_grid["profile"] = [True]
-    configs = expand_configs(methods, {"redrafter": redrafter_grid})
+    apar_grid = {}
+    if args.max_threads:
+        apar_grid["max_threads"] = [_positive_int(v, "--max-threads") for v in _comma_list(args.max_threads)]
+    if args.max_depth:
+        apar_grid["max_depth"] = [_nonnegative_int(v, "--max-depth") for v in _comma_list(args.max_depth)]
+    configs = expand_configs(methods, {"redrafter": redrafter_grid, "apar": apar_grid})
     prompts = load_prompts(args.prompts, limit=args.limit,
                            categories=_comma_list(args.categories) if args.categories else None)
     if args.format not in ("md", "json", "csv"):
         raise UserError(f"unknown format {args.format!r} (choose md, json or csv)")
+    if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise UserError(f"--plot writes .png, .svg or .pdf, not {args.plot!r}")
     engine = _load_engine(args)
     params = GenerationParams(max_tokens=args.max_tokens, temperature=args.temp, seed=args.seed)
     result = run_bench(engine, prompts, configs, params, repeats=args.repeats)
@@ -193,6 +222,8 @@ def cmd_bench(args) -> int:
         print(f"wrote {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(text)
+    if args.plot:
+        print(f"wrote {plot_bench(result, Path(args.plot))}", file=sys.stderr)
     return 0
 
 
@@ -263,6 +294,38 @@ def cmd_train_drafter(args) -> int:
     return 0
 
 
+def cmd_train_apar(args) -> int:
+    from .apar.train import AparTrainConfig, default_data_dir, run_train_apar
+    from .model.default import home
+
+    for flag in ("rank", "tokens_per_batch", "checkpoint_every"):
+        if getattr(args, flag) <= 0:
+            raise UserError(f"--{flag.replace('_', '-')} must be positive")
+    if args.epochs <= 0 or args.lr <= 0 or args.rows_lr <= 0 or args.scale <= 0:
+        raise UserError("--epochs, --lr, --rows-lr and --scale must be positive")
+    if args.negative_ratio < 0:
+        raise UserError("--negative-ratio must be >= 0")
+    if args.layout not in ("tree", "streams"):
+        raise UserError("--layout is tree or streams")
+    prompts = [Path(p) for p in _comma_list(args.prompts)]
+    for prompt_file in prompts:
+        if not prompt_file.exists():
+            raise UserError(f"no prompt file {prompt_file}")
+        if prompt_file.resolve() == (Path(__file__).resolve().parents[1] / "benchmarks" / "prompts.jsonl"):
+            raise UserError("benchmarks/prompts.jsonl is the benchmark set; never train on it")
+    engine = _load_engine(args)
+    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir(engine.lm)
+    ckpt = Path(args.checkpoint_dir) if args.checkpoint_dir else home() / "apar-checkpoints" / Path(args.output).name
+    cfg = AparTrainConfig(rank=args.rank, scale=args.scale, lora_layers=args.lora_layers, lr=args.lr,
+                          rows_lr=args.rows_lr, epochs=args.epochs, tokens_per_batch=args.tokens_per_batch,
+                          negative_ratio=args.negative_ratio, layout=args.layout, seed=args.seed,
+                          checkpoint_every=args.checkpoint_every, max_steps=args.max_steps,
+                          compile=args.compile)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    run_train_apar(engine.lm, prompts, data_dir, Path(args.output), ckpt, cfg, log=log)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mlx-specdec",
@@ -279,11 +342,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_method_args(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("chat", help="chat in the terminal", description="Chat in the terminal.")
+    p = sub.add_parser("chat", help="chat in the terminal (full-screen app; --plain for a REPL)",
+                       description="Chat in the terminal: a full-screen app with saved conversations, "
+                                   "per-conversation methods, live thread panes and a speed status bar. "
+                                   "--plain gives a line-by-line chat.")
     _add_model_args(p)
     _add_sampling_args(p, max_tokens=512)
     _add_method_args(p)
-    p.add_argument("--verbose", "-v", action="store_true", help="print a stats line after each answer")
+    p.add_argument("--plain", action="store_true",
+                   help="a plain line-by-line chat instead of the full-screen app (works in pipes)")
+    p.add_argument("--verbose", "-v", action="store_true", help="--plain: print a stats line after each answer")
+    p.add_argument("--db", default=None,
+                   help="app: conversation database (default: chats.sqlite3 in the user data directory, "
+                        "or $MLX_SPECDEC_DATA)")
+    p.add_argument("--export-dir", default=None,
+                   help="app: where Ctrl+S writes Markdown exports (default: exports/ in the user data directory)")
+    p.add_argument("--light", action="store_true", help="app: start with the light theme (Ctrl+T toggles)")
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("bench", help="compare methods on a prompt set",
@@ -304,6 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--format", default="md", help="md, json or csv (default: md)")
     p.add_argument("--output", "-o", default=None, help="write the report here (default: stdout)")
+    p.add_argument("--plot", default=None, metavar="PATH.png",
+                   help="also draw decode tok/s and speed-up over ar per method and prompt category (matplotlib)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("train-drafter", help="distil a ReDrafter draft head for a model",
@@ -339,6 +415,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, default=None, help="stop after this step (resume later)")
     p.add_argument("--skip-k-measure", action="store_true", help="skip the draft-vocabulary coverage/timing table")
     p.set_defaults(func=cmd_train_drafter)
+
+    p = sub.add_parser("train-apar", help="fine-tune an APAR adapter (LoRA + [Fork]/[Child]) for a model",
+                       description="Turn the model's own greedy answers to a prompt set (reused from the "
+                                   "drafter's distillation data, generated if missing) into paragraph trees "
+                                   "with APAR's extraction rules, then train LoRA layers and two new tokens "
+                                   "so the model forks where the structure allows (resumable from "
+                                   "checkpoints); save the adapter with a training.json report.")
+    _add_model_args(p)
+    p.add_argument("--prompts", default="data/train_prompts.jsonl,data/train_prompts_extra.jsonl",
+                   help="comma list of JSON-lines prompt files (id, prompt) (default: %(default)s)")
+    p.add_argument("--output", "-o", default="models/apar-smollm2-135m",
+                   help="where the adapter is saved (default: %(default)s)")
+    p.add_argument("--data-dir", default=None,
+                   help="the model's greedy answers, one directory per prompt file "
+                        "(default: $MLX_SPECDEC_HOME/drafter-data/<model>)")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="training checkpoints (default: $MLX_SPECDEC_HOME/apar-checkpoints/<output name>)")
+    p.add_argument("--layout", default="tree",
+                   help="tree: one packed paragraph tree per answer under a tree mask; streams: one "
+                        "sequence per stream, loss masked up to [Child] (the reference) (default: %(default)s)")
+    p.add_argument("--rank", type=int, default=8, help="LoRA rank (default: %(default)s)")
+    p.add_argument("--scale", type=float, default=20.0, help="LoRA scale (default: %(default)s)")
+    p.add_argument("--lora-layers", type=int, default=-1, help="LoRA on the last N blocks; -1 = all (default)")
+    p.add_argument("--lr", type=float, default=2e-4, help="LoRA peak learning rate (default: %(default)s)")
+    p.add_argument("--rows-lr", type=float, default=2e-3,
+                   help="peak learning rate of the two new token rows (default: %(default)s)")
+    p.add_argument("--epochs", type=float, default=1.0, help="epochs (default: %(default)s)")
+    p.add_argument("--tokens-per-batch", type=int, default=2048,
+                   help="padded tokens per step (default: %(default)s)")
+    p.add_argument("--negative-ratio", type=float, default=1.0,
+                   help="unstructured (code/math/markup) answers per structured one (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="init and data-order seed (default: %(default)s)")
+    p.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints (default: %(default)s)")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this step (resume later)")
+    p.add_argument("--compile", action="store_true", help="mx.compile the training step")
+    p.set_defaults(func=cmd_train_apar)
 
     p = sub.add_parser("convert", help="convert a GGUF file or HF model into an MLX directory",
                        description="Convert a Llama-family GGUF file or Hugging Face model "

@@ -35,19 +35,48 @@ MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
 
 
 class Engine:
-    def __init__(self, lm: LoadedModel, drafter: Optional[str] = "auto"):
+    def __init__(self, lm: LoadedModel, drafter: Optional[str] = "auto",
+                 apar_adapter: Optional[str] = "auto"):
         self.lm = lm
         self.drafter_spec = drafter
+        self.apar_adapter_spec = apar_adapter
         self._resources: Dict[str, object] = {}
 
     @classmethod
     def load(cls, model: Optional[str] = "default", dtype: str = "auto",
-             drafter: Optional[str] = "auto") -> "Engine":
-        """drafter: 'auto' (a head shipped in models/ for this model, if any), a directory, or None."""
-        engine = cls(load_model(model, dtype=dtype), drafter)
+             drafter: Optional[str] = "auto", apar_adapter: Optional[str] = "auto") -> "Engine":
+        """drafter / apar_adapter: 'auto' (one shipped in models/ for this model, if any), a
+        directory, or None."""
+        engine = cls(load_model(model, dtype=dtype), drafter, apar_adapter)
         if drafter not in (None, "auto"):
             engine.drafter  # load now: a mismatched head is reported before anything runs
+        if apar_adapter not in (None, "auto"):
+            engine.apar_lm
         return engine
+
+    @property
+    def apar_lm(self) -> Optional[LoadedModel]:
+        """The model APAR decodes with: this one if it has [Fork]/[Child] tokens (an official
+        APAR checkpoint), else this one with an APAR adapter (loaded on first use), else None."""
+        if "apar_lm" not in self._resources:
+            from .apar.adapter import find_shipped_adapter, load_apar_model
+            from .apar.tokens import control_tokens_for
+
+            spec = self.apar_adapter_spec
+            if control_tokens_for(self.lm) is not None:
+                self._resources["apar_lm"] = self.lm
+            elif spec is None:
+                self._resources["apar_lm"] = None
+            else:
+                directory = find_shipped_adapter(self.lm, MODELS_DIR) if spec == "auto" else Path(spec).expanduser()
+                self._resources["apar_lm"] = load_apar_model(directory, self.lm) if directory else None
+        return self._resources["apar_lm"]
+
+    def lm_for(self, method: str) -> LoadedModel:
+        """The model a method decodes with (APAR's adapted model; the original for the others)."""
+        if method == "apar":
+            return self.apar_lm or self.lm
+        return self.lm
 
     @property
     def drafter(self):
@@ -84,8 +113,8 @@ class Engine:
     def generate_ids(self, prompt_ids: List[int], method: str = "ar",
                      params: Optional[GenerationParams] = None) -> Iterator[Event]:
         check_method(method)
-        return stream_events(self.lm, list(prompt_ids), STRATEGIES[method], params or GenerationParams(),
-                             method, resources=self._resources_for(method))
+        return stream_events(self.lm_for(method), list(prompt_ids), STRATEGIES[method],
+                             params or GenerationParams(), method, resources=self._resources_for(method))
 
     def generate_ids_batch(self, prompts_ids: List[List[int]], method: str = "redrafter",
                            params: Optional[GenerationParams] = None) -> Iterator[Event]:

@@ -19,6 +19,11 @@ if [ "$(uname -s)" = "Linux" ] && ! ldconfig -p 2>/dev/null | grep -q 'libopenbl
   fi
 fi
 
+# tmux: the chat app's real-terminal test drives it with send-keys/capture-pane (skipped without it)
+if [ "$(uname -s)" = "Linux" ] && ! command -v tmux >/dev/null && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
+  apt-get install -y -q tmux >/dev/null 2>&1 || true
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
   echo "setup: creating $VENV"
   "$PYTHON" -m venv "$VENV"

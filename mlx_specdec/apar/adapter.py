@@ -1,0 +1,330 @@
+"""The APAR adapter: mlx-lm LoRA layers plus two new token rows ([Fork], [Child]) for a base model.
+
+A directory holds `adapter_config.json` (base model, tokenizer hash, LoRA settings, the control
+tokens) and `adapters.safetensors` (the LoRA matrices and the new rows, a few MB). The base
+model's own weights never change:
+
+- for training, `prepare_for_training` freezes the model, wraps its linears with mlx-lm's
+  `LoRALinear` and its token embedding with `ExtendedEmbedding` (the frozen base table plus two
+  trainable rows appended after the vocabulary; with tied embeddings the same rows are the new
+  output rows, otherwise an `ExtendedHead` adds output rows to the LM head);
+- for decoding, `load_apar_model` builds a second model that shares every base array with the
+  loaded one (no copy), with LoRA fused into new weights for the wrapped linears (so a decoding
+  step costs what the base model's does) and the embedding extended. The tokenizer is a copy of
+  the base tokenizer with the two tokens added; the base model and tokenizer are untouched, so
+  `ar` keeps running the original model in the same process.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..errors import UserError
+from ..model.loader import LoadedModel
+from .tokens import CONVENTIONS, ControlTokens
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapters.safetensors"
+FORMAT = "mlx-specdec-apar"
+
+
+class AdapterMismatch(UserError):
+    pass
+
+
+@dataclass
+class LoraSettings:
+    rank: int = 8
+    scale: float = 20.0
+    dropout: float = 0.0
+    num_layers: int = -1  # the last N blocks; -1 = all
+    keys: Optional[List[str]] = None  # module paths inside a block; None = every linear
+
+    def mlx_lm_parameters(self) -> Dict[str, object]:
+        params: Dict[str, object] = {"rank": self.rank, "scale": self.scale, "dropout": self.dropout}
+        if self.keys is not None:
+            params["keys"] = list(self.keys)
+        return params
+
+
+@dataclass
+class AdapterConfig:
+    base_model: str
+    tokenizer_hash: str
+    base_vocab_size: int
+    tied: bool
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    convention: str = "project"
+    format: str = FORMAT
+    version: int = 1
+
+    @property
+    def fork_token(self) -> str:
+        return CONVENTIONS[self.convention][0]
+
+    @property
+    def child_token(self) -> str:
+        return CONVENTIONS[self.convention][1]
+
+    def to_json(self) -> dict:
+        lora = self.lora
+        return {
+            "format": self.format, "version": self.version, "base_model": self.base_model,
+            "tokenizer_hash": self.tokenizer_hash, "base_vocab_size": self.base_vocab_size,
+            "tied_embeddings": self.tied,
+            "apar": {"convention": self.convention, "fork_token": self.fork_token,
+                     "child_token": self.child_token},
+            # mlx-lm's adapter_config keys, so its tools can read the LoRA part
+            "fine_tune_type": "lora", "num_layers": lora.num_layers,
+            "lora_parameters": lora.mlx_lm_parameters(),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "AdapterConfig":
+        params = data.get("lora_parameters", {})
+        lora = LoraSettings(rank=int(params.get("rank", 8)), scale=float(params.get("scale", 20.0)),
+                            dropout=float(params.get("dropout", 0.0)),
+                            num_layers=int(data.get("num_layers", -1)), keys=params.get("keys"))
+        return cls(base_model=data.get("base_model", ""), tokenizer_hash=data.get("tokenizer_hash", ""),
+                   base_vocab_size=int(data["base_vocab_size"]), tied=bool(data.get("tied_embeddings", True)),
+                   lora=lora, convention=data.get("apar", {}).get("convention", "project"),
+                   format=data.get("format", ""), version=int(data.get("version", 1)))
+
+
+# -- modules -----------------------------------------------------------------------------------
+
+class ExtendedEmbedding(nn.Module):
+    """A frozen base embedding (plain or quantized) plus `extra` rows appended after its vocabulary."""
+
+    def __init__(self, base: nn.Module, extra: mx.array):
+        super().__init__()
+        self.base = base
+        self.extra = extra  # (k, D)
+        self.base_vocab = int(base.weight.shape[0])
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        inside = ids < self.base_vocab
+        rows = self.base(mx.where(inside, ids, 0))
+        added = self.extra[mx.maximum(ids - self.base_vocab, 0)].astype(rows.dtype)
+        return mx.where(inside[..., None], rows, added)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        """Tied output: base logits then one logit per extra row."""
+        return mx.concatenate([self.base.as_linear(x), x @ self.extra.T.astype(x.dtype)], axis=-1)
+
+
+class ExtendedHead(nn.Module):
+    """An untied LM head plus `extra` output rows."""
+
+    def __init__(self, base: nn.Module, extra: mx.array):
+        super().__init__()
+        self.base = base
+        self.extra = extra  # (k, D)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.concatenate([self.base(x), x @ self.extra.T.astype(x.dtype)], axis=-1)
+
+
+def _share_copy(value):
+    """A new module tree whose arrays are the same objects as the original's (nothing copied)."""
+    if isinstance(value, nn.Module):
+        new = copy.copy(value)
+        new.__dict__.update({k: copy.copy(v) for k, v in value.__dict__.items()
+                             if isinstance(v, (set, dict, list))})  # e.g. the frozen-names set
+        for key, item in value.items():
+            new[key] = _share_copy(item)
+        return new
+    if isinstance(value, list):
+        return [_share_copy(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _share_copy(v) for k, v in value.items()}
+    return value
+
+
+def _is_tied(model: nn.Module) -> bool:
+    return bool(getattr(model.args, "tie_word_embeddings", False)) or not hasattr(model, "lm_head")
+
+
+def _mean_rows(table: mx.array, count: int, seed: int) -> mx.array:
+    """`count` rows at the mean of `table` (V, D) plus a little noise (so Fork and Child differ)."""
+    table = table.astype(mx.float32)
+    noise = mx.random.normal((count, table.shape[1]), key=mx.random.key(seed)) * table.std() * 0.1
+    return table.mean(axis=0)[None] + noise
+
+
+def _new_rows(model: nn.Module, count: int = 2, seed: int = 0):
+    """Initial (input rows, output rows or None when tied) for the control tokens."""
+    embed = model.model.embed_tokens
+    vocab = int(embed.weight.shape[0])
+    table = embed(mx.arange(vocab))  # (V, D), dequantized if needed
+    rows_in = _mean_rows(table, count, seed)
+    if _is_tied(model):
+        return rows_in, None
+    head_rows = model.lm_head(mx.eye(table.shape[1])).T  # (V, D): the head's rows, dequantized
+    rows_out = _mean_rows(head_rows, count, seed + 1)
+    return rows_in, rows_out
+
+
+def add_control_tokens_to_tokenizer(tokenizer, convention: str = "project"):
+    """A copy of an mlx-lm TokenizerWrapper with the two control tokens added after its vocabulary."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    inner = copy.deepcopy(tokenizer._tokenizer)
+    base = len(inner)
+    names = list(CONVENTIONS[convention])
+    inner.add_tokens(names, special_tokens=True)
+    vocab = inner.get_vocab()
+    if [vocab[n] for n in names] != [base, base + 1]:
+        raise UserError(f"cannot add {names} after a vocabulary of {base}: got ids {[vocab[n] for n in names]}")
+    return TokenizerWrapper(inner, detokenizer_class=type(tokenizer._detokenizer),
+                            eos_token_ids=sorted(tokenizer.eos_token_ids),
+                            chat_template=getattr(tokenizer, "_chat_template", None))
+
+
+def _control_for(base_vocab: int, convention: str) -> ControlTokens:
+    return ControlTokens(base_vocab, base_vocab + 1, convention)
+
+
+def _check_vocab(lm: LoadedModel) -> int:
+    rows = int(lm.model.model.embed_tokens.weight.shape[0])
+    size = len(lm.tokenizer._tokenizer)
+    if size != rows:
+        raise UserError(f"{lm.name}: tokenizer has {size} tokens but the embedding {rows} rows; "
+                        "an APAR adapter needs them equal")
+    return rows
+
+
+# -- training --------------------------------------------------------------------------------
+
+def prepare_for_training(lm: LoadedModel, lora: LoraSettings, convention: str = "project",
+                         seed: int = 0):
+    """Turn `lm` (in place) into the trainable APAR model. Returns (adapted LoadedModel, config).
+
+    Only the LoRA matrices and the new token rows are trainable."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from ..drafter.head import tokenizer_hash
+
+    base_vocab = _check_vocab(lm)
+    model = lm.model
+    tied = _is_tied(model)
+    config = AdapterConfig(base_model=lm.name, tokenizer_hash=tokenizer_hash(lm.tokenizer),
+                           base_vocab_size=base_vocab, tied=tied, lora=lora, convention=convention)
+    rows_in, rows_out = _new_rows(model, seed=seed)
+    model.freeze()
+    layers = len(model.model.layers) if lora.num_layers < 0 else lora.num_layers
+    mx.random.seed(seed)
+    linear_to_lora_layers(model, layers, lora.mlx_lm_parameters())
+    model.model.embed_tokens = ExtendedEmbedding(model.model.embed_tokens, rows_in)
+    model.model.embed_tokens.base.freeze()
+    if not tied:
+        model.lm_head = ExtendedHead(model.lm_head, rows_out)
+        model.lm_head.base.freeze()
+    mx.eval(model.parameters())
+    return _adapted_lm(lm, model, config), config
+
+
+def trainable_weights(model: nn.Module) -> Dict[str, mx.array]:
+    return dict(tree_flatten(model.trainable_parameters()))
+
+
+def save_adapter(model: nn.Module, config: AdapterConfig, directory: Path, dtype=mx.float16) -> None:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.astype(dtype) for k, v in trainable_weights(model).items()}
+    tmp = directory / (WEIGHTS_FILE + ".tmp.safetensors")
+    mx.save_safetensors(str(tmp), weights)
+    tmp.rename(directory / WEIGHTS_FILE)
+    (directory / CONFIG_FILE).write_text(json.dumps(config.to_json(), indent=1) + "\n")
+
+
+# -- decoding --------------------------------------------------------------------------------
+
+def read_adapter_config(directory: Path) -> AdapterConfig:
+    path = Path(directory) / CONFIG_FILE
+    if not path.exists():
+        raise UserError(f"{directory} has no {CONFIG_FILE}: not an APAR adapter")
+    try:
+        data = json.loads(path.read_text())
+        config = AdapterConfig.from_json(data)
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"corrupt APAR adapter config {path}: {exc}") from None
+    if config.format != FORMAT:
+        raise UserError(f"{path} is not an mlx-specdec APAR adapter (format {config.format!r})")
+    return config
+
+
+def check_adapter(config: AdapterConfig, lm: LoadedModel, where: str = "APAR adapter") -> None:
+    from ..drafter.head import tokenizer_hash
+
+    rows = int(lm.model.model.embed_tokens.weight.shape[0])
+    if config.base_vocab_size != rows or config.tokenizer_hash != tokenizer_hash(lm.tokenizer):
+        raise AdapterMismatch(f"{where} was trained for {config.base_model or 'another model'}, "
+                              f"not {lm.name} (vocabulary or tokenizer differ)")
+
+
+def load_apar_model(directory: Path, lm: LoadedModel, fuse: bool = True) -> LoadedModel:
+    """The base model with the adapter applied, sharing every base array with `lm`."""
+    from mlx_lm.tuner.lora import LoRALinear
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    directory = Path(directory)
+    config = read_adapter_config(directory)
+    check_adapter(config, lm, where=f"APAR adapter {directory}")
+    try:
+        weights = mx.load(str(directory / WEIGHTS_FILE))
+    except Exception as exc:
+        raise UserError(f"corrupt APAR adapter weights in {directory}: {type(exc).__name__}") from None
+    model = _share_copy(lm.model)
+    layers = len(model.model.layers) if config.lora.num_layers < 0 else config.lora.num_layers
+    linear_to_lora_layers(model, layers, config.lora.mlx_lm_parameters())
+    extra = weights.pop("model.embed_tokens.extra", None)
+    head_extra = weights.pop("lm_head.extra", None)
+    if extra is None or (not config.tied and head_extra is None):
+        raise UserError(f"corrupt APAR adapter weights in {directory}: no control-token rows")
+    dtype = _compute_dtype(lm)
+    try:
+        model.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=False)
+    except ValueError as exc:
+        raise UserError(f"corrupt APAR adapter weights in {directory}: {str(exc).splitlines()[0]}") from None
+    if fuse:
+        fused = [(name, m.fuse()) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+        model.update_modules(tree_unflatten(fused))
+    model.model.embed_tokens = ExtendedEmbedding(model.model.embed_tokens, extra.astype(dtype))
+    if not config.tied:
+        model.lm_head = ExtendedHead(model.lm_head, head_extra.astype(dtype))
+    mx.eval(model.parameters())
+    return _adapted_lm(lm, model, config)
+
+
+def _compute_dtype(lm: LoadedModel):
+    return getattr(mx, lm.dtype) if lm.dtype in ("float32", "float16", "bfloat16") else mx.float32
+
+
+def _adapted_lm(lm: LoadedModel, model: nn.Module, config: AdapterConfig) -> LoadedModel:
+    tokenizer = add_control_tokens_to_tokenizer(lm.tokenizer, config.convention)
+    cfg = dict(lm.config)
+    cfg["vocab_size"] = config.base_vocab_size + 2
+    cfg["apar"] = {"convention": config.convention, "fork_token": config.fork_token,
+                   "child_token": config.child_token}
+    return LoadedModel(model, tokenizer, lm.path, f"{lm.name}+apar", cfg, lm.dtype, lm.bits)
+
+
+def find_shipped_adapter(lm: LoadedModel, models_dir: Path) -> Optional[Path]:
+    """The first adapter in models_dir/apar-* made for this model, if any."""
+    for directory in sorted(Path(models_dir).glob("apar-*")):
+        if not (directory / CONFIG_FILE).exists() or not (directory / WEIGHTS_FILE).exists():
+            continue
+        try:
+            check_adapter(read_adapter_config(directory), lm)
+        except UserError:
+            continue
+        return directory
+    return None

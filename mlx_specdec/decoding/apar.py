@@ -1,0 +1,189 @@
+"""APAR (Liu et al. 2024): the model forks parallel threads at [Fork]; threads share the prefix KV.
+
+Algorithm 1 on a `ForkableKVCache` (one slot pool; a thread is the list of slots on its path):
+
+    prefill the prompt as thread 0 (the root)
+    every step, every live thread feeds its pending token, all in ONE forward: the cache gives
+        each token its own position (its depth on its path) and a mask row that sees exactly its
+        path to the root, so each thread decodes as if it were alone
+    a thread that samples [Fork] feeds it the next step like any token (its KV is written once,
+        on the parent's path); right after that step a child is forked: it shares every slot of
+        the parent's path (slot ids only, no K/V copied) and starts by feeding [Child]; the
+        parent goes on with the next sibling paragraph
+    a thread that samples EOS ends: its own slots are freed at once (shared ones stay while any
+        live thread holds them)
+
+Rules (as the reference): [Child] is never sampled (its logit is masked); no [Fork] right after a
+control token (a thread that just fed [Fork] or [Child]); a thread at the depth limit or a step
+that would pass the thread limit cannot fork either ([Fork] masked, so it writes inline).
+
+Events: a child's `thread_start` (thread id, parent id) is emitted when its parent samples [Fork],
+so it sits exactly where the child's text belongs in the parent's stream; `thread_end` when a
+thread samples EOS. Control tokens and EOS are never emitted as tokens. The whole answer is the
+tree restored by traversal: `mlx_specdec.apar.restore_answer(events, tokenizer)`.
+
+One host sync per step: the sampled tokens (every fork/finish decision needs them).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional
+
+import mlx.core as mx
+
+from ..apar.tokens import ControlTokens, control_tokens_for
+from ..cache import ForkableKVCache
+from ..errors import UserError
+from ..model.forward import forward
+from .base import DecodeContext, Step
+
+DEFAULT_MAX_THREADS = 32
+DEFAULT_MAX_DEPTH = 2
+
+
+class NoControlTokens(UserError):
+    pass
+
+
+@dataclass
+class _Thread:
+    id: int
+    parent: Optional[int]
+    depth: int
+    pending: int  # the token it feeds in the next step
+    after_control: bool  # `pending` is [Fork] or [Child]: no [Fork] may follow it
+    fork_child: Optional[int] = None  # pending is [Fork]: the child forked once it is written
+
+
+def _cache_arrays(cache: ForkableKVCache) -> List[mx.array]:
+    return [a for layer in cache.layers for a in (layer.keys, layer.values) if a is not None]
+
+
+def prefill_thread(ctx: DecodeContext, cache: ForkableKVCache, thread: int, tokens) -> None:
+    """Feed tokens to one thread of a forkable cache in chunks (no logits)."""
+    chunk = max(1, ctx.params.prefill_chunk)
+    for start in range(0, len(tokens), chunk):
+        piece = list(tokens[start : start + chunk])
+        positions, mask = cache.begin_step([thread] * len(piece))
+        forward(ctx.lm.model, mx.array(piece)[None], cache, positions=positions, mask=mask, logits_for="none")
+        mx.eval(_cache_arrays(cache))  # deliberate sync per chunk: bounds the graph and memory of prefill
+
+
+def apar(ctx: DecodeContext) -> Iterator[Step]:
+    control: Optional[ControlTokens] = ctx.resources.get("control_tokens") or control_tokens_for(ctx.lm)
+    if control is None:
+        raise NoControlTokens(
+            f"apar needs a model with [Fork]/[Child] control tokens; {ctx.lm.name} has none: use an APAR "
+            "adapter (models/apar-*, made by `mlx-specdec train-apar`) or an official THUDM/apar-* checkpoint")
+    options = ctx.params.options
+    max_threads = int(options.get("max_threads", DEFAULT_MAX_THREADS))
+    max_depth = int(options.get("max_depth", DEFAULT_MAX_DEPTH))
+    if max_threads < 1 or max_depth < 0:
+        raise UserError("apar needs --max-threads >= 1 and --max-depth >= 0")
+    processor = ctx.resources.get("logits_processor")  # (thread ids, logits (N, V)) -> logits
+    model, stats, params = ctx.lm.model, ctx.stats, ctx.params
+    greedy = params.greedy
+    eos = ctx.lm.eos_token_ids
+    cache: ForkableKVCache = ctx.resources.get("cache") or ForkableKVCache.for_model(model)
+
+    prompt = ctx.prompt
+    cache.new_thread(0)
+    prefill_thread(ctx, cache, 0, prompt[:-1])
+    ctx.prefill_done_at = time.perf_counter()
+    threads: Dict[int, _Thread] = {0: _Thread(0, None, 0, prompt[-1], False)}
+    next_id = 1
+    figures = {"steps": 0, "rows": 0, "attended": 0, "max_cached": cache.live_slots, "max_live": 1,
+               "answer_tokens": 0, "control_tokens": 0}
+
+    def report() -> None:
+        P, T = len(prompt), figures["answer_tokens"]
+        stats.extra.update(
+            threads=next_id,
+            forked=next_id > 1,
+            max_live_threads=figures["max_live"],
+            decode_steps=figures["steps"],
+            max_cached_tokens=figures["max_cached"],
+            attended_tokens_mean=round(figures["attended"] / max(figures["rows"], 1), 2),
+            answer_tokens=T,
+            control_tokens=figures["control_tokens"],
+            # the same answer flattened and decoded sequentially: T tokens then EOS after P prompt tokens
+            flat_decode_steps=T + 1,
+            flat_max_cached_tokens=P + T,
+            flat_attended_tokens_mean=round(P + T / 2, 2),
+        )
+
+    try:
+        while threads:
+            order = list(threads)  # live thread ids; row r of this step is thread order[r]
+            positions, mask = cache.begin_step(order)
+            tokens = mx.array([threads[t].pending for t in order])[None]  # (1, N)
+            logits = forward(model, tokens, cache, positions=positions, mask=mask, logits_for="all").logits[0]
+            if processor is not None:
+                logits = processor(order, logits)  # (N, V)
+            logits = _apply_rules(logits, control, _fork_allowed(threads, order, max_threads, max_depth))
+            if greedy:
+                chosen = mx.argmax(logits, axis=-1)
+            else:
+                chosen = ctx.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+            values = chosen.tolist()  # host sync (one per step): forks and finishes need the tokens
+
+            stats.forward_passes += 1
+            figures["steps"] += 1
+            figures["rows"] += len(order)
+            figures["attended"] += sum(cache.length(t) for t in order)  # each row sees its whole path
+            figures["max_cached"] = max(figures["max_cached"], cache.live_slots)
+            figures["max_live"] = max(figures["max_live"], len(order))
+
+            # [Fork]s fed in this step are in the cache now: their children share the parent's path.
+            for t in order:
+                parent = threads[t]
+                if parent.fork_child is not None:
+                    child = parent.fork_child
+                    cache.fork(t, child)
+                    threads[child] = _Thread(child, t, parent.depth + 1, control.child, True)
+                    parent.fork_child = None
+            for t, value in zip(order, values):
+                thread = threads[t]
+                if value in eos:
+                    cache.free_thread(t)  # its own KV is released at once
+                    del threads[t]
+                    yield Step([], t, thread.parent, kind="thread_end")
+                elif value == control.fork:
+                    thread.pending, thread.after_control, thread.fork_child = value, True, next_id
+                    figures["control_tokens"] += 2  # the parent's [Fork] and the child's [Child]
+                    next_id += 1
+                    yield Step([], thread.fork_child, t, kind="thread_start")
+                else:
+                    thread.pending, thread.after_control = value, False
+                    figures["answer_tokens"] += 1
+                    yield Step([value], t, thread.parent)
+            report()
+    finally:
+        report()
+        for t in list(cache.paths):  # the stream may stop mid-answer: release every thread
+            cache.free_thread(t)
+
+
+def _fork_allowed(threads: Dict[int, _Thread], order: List[int], max_threads: int, max_depth: int) -> List[bool]:
+    """Per row: may this thread fork now? Threads, announced children included, stay within the limit."""
+    live = len(threads) + sum(1 for t in threads.values() if t.fork_child is not None)
+    budget = max_threads - live
+    allowed = []
+    for t in order:
+        thread = threads[t]
+        ok = budget > 0 and not thread.after_control and thread.depth < max_depth
+        budget -= ok
+        allowed.append(ok)
+    return allowed
+
+
+def _apply_rules(logits: mx.array, control: ControlTokens, fork_allowed: List[bool]) -> mx.array:
+    """Mask [Child] everywhere and [Fork] where a thread may not fork. logits (N, V)."""
+    logits = logits.astype(mx.float32)
+    blocked = mx.array(-float("inf"), dtype=logits.dtype)
+    logits[:, control.child] = blocked
+    if not all(fork_allowed):
+        logits[:, control.fork] = mx.where(mx.array(fork_allowed), logits[:, control.fork], blocked)
+    return logits

@@ -1,0 +1,303 @@
+"""APAR decoding on a tiny random Llama with a scripted fork pattern.
+
+A test double (`Script`, passed as the strategy's logits processor) forces [Fork] / EOS at chosen
+samplings of chosen threads by editing logits, suppresses them everywhere else, and records every
+thread's raw logits and the cache at every step. So each test knows the tree it asked for and can
+check the strategy against plain decoding of every thread's root path.
+"""
+
+from collections import defaultdict
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_specdec.apar import ParagraphTree, control_tokens_for, restore_answer, restore_tokens, tree_from_events
+from mlx_specdec.cache import ContiguousKVCache, ForkableKVCache
+from mlx_specdec.decoding import GenerationParams, stream_events
+from mlx_specdec.decoding.apar import NoControlTokens, apar
+from mlx_specdec.engine import Engine
+from mlx_specdec.model.forward import forward
+from mlx_specdec.model.loader import LoadedModel
+
+from conftest import make_tiny_llama, make_tiny_lm
+
+FORK, CHILD, EOS = 95, 96, 2
+PROMPT = [5, 17, 42, 3, 88, 11]
+
+
+def make_apar_tokenizer(vocab_size: int = 97):
+    """Word-level tokenizer: ids 0..94 are "w{i}", 95 is [Fork], 96 is [Child]; EOS w2."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size - 2)}
+    vocab.update({"[Fork]": FORK, "[Child]": CHILD})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"w{EOS}", unk_token="w0")
+    return TokenizerWrapper(fast)
+
+
+def make_apar_lm(seed: int = 0) -> LoadedModel:
+    model = make_tiny_llama(seed=seed, layers=2, tie=False)
+    config = {"model_type": "llama", "max_position_embeddings": 512, "vocab_size": 97}
+    return LoadedModel(model, make_apar_tokenizer(), Path("."), "tiny-apar", config, "float32", None)
+
+
+class Script:
+    """Logits processor: plan {(thread, k): token} forces `token` at the k-th sampling of
+    `thread`; [Fork] and EOS are suppressed everywhere else. Records raw logits and the cache."""
+
+    def __init__(self, plan, cache=None):
+        self.plan = dict(plan)
+        self.calls = defaultdict(int)
+        self.logits = defaultdict(list)  # thread -> raw logits rows, one per token it fed
+        self.steps = []  # per step: (thread order, live_slots, high_water, paths, free slots)
+        self.cache = cache
+        self.orders = []  # thread order (rows) of every step
+
+    def __call__(self, order, logits):
+        raw = np.array(logits)  # a sync inside the step: fine for a test double
+        self.orders.append(list(order))
+        if self.cache is not None:
+            c = self.cache
+            self.steps.append((list(order), c.live_slots, c.high_water,
+                               {t: list(p) for t, p in c.paths.items()}, list(c.free_slots)))
+        bias = np.zeros_like(raw)
+        bias[:, [FORK, EOS]] = -1e4
+        for row, thread in enumerate(order):
+            k = self.calls[thread]
+            self.calls[thread] += 1
+            self.logits[thread].append(raw[row])
+            want = self.plan.get((thread, k))
+            if want is not None:
+                bias[row, want] = 2e4
+        return logits + mx.array(bias)
+
+
+def run_apar(lm, plan, max_tokens=300, cache=None, **options):
+    script = Script(plan, cache)
+    resources = {"logits_processor": script}
+    if cache is not None:
+        resources["cache"] = cache
+    params = GenerationParams(max_tokens=max_tokens, options=options)
+    events = list(stream_events(lm, list(PROMPT), apar, params, "apar", resources=resources))
+    return events, script
+
+
+def thread_tokens(events):
+    out = defaultdict(list)
+    for e in events:
+        if e.kind == "token":
+            out[e.thread_id].extend(e.tokens)
+    return out
+
+
+def starts(events):
+    return [(e.thread_id, e.parent_id) for e in events if e.kind == "thread_start"]
+
+
+def decode_alone(model, sequence, first):
+    """Plain decoding with a contiguous cache: logits after feeding sequence[i], i >= first."""
+    cache = ContiguousKVCache.for_model(model)
+    forward(model, mx.array(sequence[:first])[None], cache, logits_for="none")
+    rows = []
+    for token in sequence[first:]:
+        rows.append(np.array(forward(model, mx.array([[token]]), cache, logits_for="last").logits[0, -1]))
+    return rows
+
+
+# Root forks at its samplings 1 and 4 and ends at 7; child 1 forks (grandchild) at 1 and ends
+# at 3; child 2 ends at 2; grandchild 3 ends at 2. Root's fork at sampling 4 and child 1's at 1
+# happen in the same step: row order (root first) makes the root's child id 2, the grandchild 3.
+TREE_PLAN = {(0, 1): FORK, (0, 4): FORK, (0, 7): EOS,
+             (1, 1): FORK, (1, 3): EOS,
+             (2, 2): EOS,
+             (3, 2): EOS}
+
+
+def test_threads_start_where_scripted_and_every_thread_equals_its_root_path_alone():
+    lm = make_apar_lm()
+    events, script = run_apar(lm, TREE_PLAN)
+    assert starts(events) == [(1, 0), (2, 0), (3, 1)]
+    ends = [e.thread_id for e in events if e.kind == "thread_end"]
+    assert sorted(ends) == [0, 1, 2, 3]
+    done = events[-1]
+    assert done.kind == "done" and done.stats.finish_reason == "stop"
+
+    tree = tree_from_events(events)
+    for thread in tree.threads:
+        full = list(PROMPT) + tree.root_path(thread, FORK, CHILD)
+        own = len(tree.stream(thread, FORK))
+        first = len(PROMPT) - 1 if thread == 0 else len(full) - own - 1  # its first fed token
+        want = decode_alone(lm.model, full, first)
+        got = script.logits[thread]
+        assert len(got) == len(want), thread
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
+
+
+def test_restore_order_is_depth_first_at_each_fork():
+    lm = make_apar_lm()
+    events, _ = run_apar(lm, TREE_PLAN)
+    mine = thread_tokens(events)
+    R, C1, C2, G3 = mine[0], mine[1], mine[2], mine[3]
+    # root samplings: 0 tok, 1 FORK(child 1), 2 tok, 3 tok, 4 FORK(child 2), 5 tok, 6 tok, 7 EOS
+    assert len(R) == 5 and len(C1) == 2 and len(C2) == 2 and len(G3) == 2
+    want = R[:1] + C1[:1] + G3 + C1[1:] + R[1:3] + C2 + R[3:]
+    assert restore_tokens(events) == want
+    assert restore_answer(events, lm.tokenizer) == lm.tokenizer.decode(want)
+    # control tokens and EOS never reach the event stream
+    assert not {FORK, CHILD, EOS} & {t for e in events if e.kind == "token" for t in e.tokens}
+    # the driver counted every thread's tokens
+    assert events[-1].stats.generated_tokens == len(want)
+
+
+def test_shared_prefix_is_not_copied_and_freed_threads_release_their_slots():
+    lm = make_apar_lm()
+    cache = ForkableKVCache.for_model(lm.model)
+    plan = {(0, 1): FORK, (0, 14): EOS, (1, 3): EOS}
+    events, script = run_apar(lm, plan, cache=cache)
+    assert starts(events) == [(1, 0)]
+    P = len(PROMPT)
+    both = [s for s in script.steps if set(s[0]) == {0, 1}]
+    assert both, "the two threads decoded together"
+    for order, live, high, paths, free in script.steps:
+        assert set(paths) == set(order)  # only live threads hold a path
+        union = set().union(*paths.values())
+        assert live == len(union)  # memory in use = distinct slots of live threads
+    for order, live, high, paths, free in both:
+        # the child's path starts with the very slots of the parent's prompt and tokens up to
+        # and including its [Fork]: shared by id, stored once
+        fork_at = P + 2  # prompt, the root's first token, its [Fork]
+        assert paths[1][:fork_at] == paths[0][:fork_at]
+        assert not set(paths[1][fork_at:]) & set(paths[0][fork_at:])
+        assert live == len(paths[0]) + len(paths[1]) - fork_at < len(paths[0]) + len(paths[1])
+    # after the child's EOS its own slots are free; the root's next tokens reuse them
+    child_end = max(i for i, s in enumerate(script.steps) if 1 in s[0])
+    last_with_child = script.steps[child_end]
+    after = script.steps[child_end + 1]
+    child_own = set(last_with_child[3][1][P + 2:])
+    assert set(after[4]) | set(after[3][0]) >= child_own
+    assert after[1] == len(after[3][0])  # only the root's path is live
+    highs = [s[2] for s in script.steps[child_end + 1 : child_end + 1 + len(child_own)]]
+    assert len(set(highs)) == 1  # the pool does not grow while freed slots are reused
+    assert cache.paths == {}  # everything released when the answer ends
+
+
+@pytest.mark.parametrize("max_threads", [1, 2, 3])
+def test_thread_limit_holds(max_threads):
+    lm = make_apar_lm()
+    # every thread asks to fork at every other sampling; all end after 9 samplings
+    plan = {}
+    for thread in range(12):
+        for k in (1, 3, 5, 7):
+            plan[(thread, k)] = FORK
+        plan[(thread, 9)] = EOS
+    events, script = run_apar(lm, plan, max_depth=5, max_threads=max_threads)
+    rows = [len(order) for order in script.orders]
+    assert max(rows) <= max_threads
+    assert len(set(t for t, _ in starts(events))) <= 11
+    if max_threads == 1:
+        assert starts(events) == []
+    else:
+        assert max(rows) == max_threads  # the limit is reached, not just respected
+
+
+def test_depth_limit_and_control_token_rules():
+    lm = make_apar_lm()
+    plan = {(0, 1): FORK, (0, 2): FORK,  # right after feeding its [Fork]: not allowed
+            (1, 0): FORK,  # a child's first sampling, right after [Child]: not allowed
+            (1, 2): FORK,  # depth 1 child at max_depth 1: not allowed
+            (0, 6): EOS, (1, 5): EOS}
+    for row_thread in (0, 1):
+        for k in range(6):
+            plan.setdefault((row_thread, k), CHILD)  # [Child] is boosted everywhere else: never sampled
+    events, script = run_apar(lm, plan, max_depth=1)
+    assert starts(events) == [(1, 0)]
+    mine = thread_tokens(events)
+    assert CHILD not in mine[0] + mine[1] and FORK not in mine[0] + mine[1]
+    assert len(mine[0]) == 5 and len(mine[1]) == 5  # every non-fork sampling wrote a word
+
+
+def test_depth_zero_never_forks_and_equals_plain_greedy():
+    lm = make_apar_lm()
+    plan = {(0, 1): FORK, (0, 3): FORK, (0, 10): EOS}
+    events, _ = run_apar(lm, plan, max_depth=0)
+    assert starts(events) == []
+    tokens = restore_tokens(events)
+    assert len(tokens) == 10
+
+
+def test_stats_report_threads_and_flattened_figures():
+    lm = make_apar_lm()
+    cache = ForkableKVCache.for_model(lm.model)
+    events, script = run_apar(lm, TREE_PLAN, cache=cache)
+    stats = events[-1].stats
+    extra = stats.extra
+    T = len(restore_tokens(events))
+    P = len(PROMPT)
+    assert extra["threads"] == 4 and extra["forked"] is True
+    assert extra["answer_tokens"] == T == stats.generated_tokens
+    assert extra["decode_steps"] == stats.forward_passes == len(script.steps)
+    assert extra["max_live_threads"] == max(len(s[0]) for s in script.steps)
+    # peak memory: the largest set of live slots any step attended over
+    assert extra["max_cached_tokens"] == max(max(s[1] for s in script.steps), P - 1)
+    rows = sum(len(s[0]) for s in script.steps)
+    attended = sum(len(s[3][t]) for s in script.steps for t in s[0])
+    assert extra["attended_tokens_mean"] == round(attended / rows, 2)
+    assert extra["control_tokens"] == 2 * 3
+    assert extra["flat_decode_steps"] == T + 1
+    assert extra["flat_max_cached_tokens"] == P + T
+    assert extra["flat_attended_tokens_mean"] == round(P + T / 2, 2)
+    assert extra["decode_steps"] < extra["flat_decode_steps"]
+
+
+def test_parallel_threads_cache_and_attend_less_than_the_flattened_answer():
+    """Three details written in parallel and freed early: fewer steps, a smaller peak cache and
+    fewer attended tokens than the same answer decoded sequentially (each fork costs two control
+    tokens, so a tiny tree would not show it)."""
+    lm = make_apar_lm()
+    plan = {(0, 1): FORK, (0, 3): FORK, (0, 5): FORK, (0, 33): EOS,
+            (1, 10): EOS, (2, 10): EOS, (3, 10): EOS}
+    events, _ = run_apar(lm, plan)
+    extra = events[-1].stats.extra
+    assert extra["answer_tokens"] == 30 + 3 * 10
+    assert extra["decode_steps"] < extra["flat_decode_steps"]
+    assert extra["max_cached_tokens"] < extra["flat_max_cached_tokens"]
+    assert extra["attended_tokens_mean"] < extra["flat_attended_tokens_mean"]
+
+
+def test_max_tokens_counts_every_thread_and_stops_cleanly():
+    lm = make_apar_lm()
+    cache = ForkableKVCache.for_model(lm.model)
+    plan = {(0, 1): FORK, (0, 3): FORK, (0, 40): EOS, (1, 40): EOS, (2, 40): EOS}
+    events, _ = run_apar(lm, plan, max_tokens=12, cache=cache)
+    stats = events[-1].stats
+    assert stats.generated_tokens == 12 and stats.finish_reason == "length"
+    assert len(restore_tokens(events)) == 12
+    assert cache.paths == {}  # the strategy's finally released every thread
+
+
+def test_sampling_runs_and_keeps_the_rules():
+    lm = make_apar_lm()
+    params = GenerationParams(max_tokens=40, temperature=1.0, seed=3)
+    script = Script({(0, 1): FORK, (0, 2): CHILD})
+    events = list(stream_events(lm, list(PROMPT), apar, params, "apar",
+                                resources={"logits_processor": script}))
+    assert starts(events)[:1] == [(1, 0)]
+    assert not {FORK, CHILD} & set(restore_tokens(events))
+
+
+def test_control_tokens_found_by_name_and_missing_ones_refused():
+    lm = make_apar_lm()
+    found = control_tokens_for(lm)
+    assert (found.fork, found.child, found.convention) == (FORK, CHILD, "project")
+    plain = make_tiny_lm()
+    assert control_tokens_for(plain) is None
+    with pytest.raises(NoControlTokens, match="control tokens"):
+        list(Engine(plain).generate_ids(PROMPT, "apar", GenerationParams(max_tokens=4)))

@@ -1,0 +1,174 @@
+"""The chat app in a real terminal (tmux) on the real default model.
+
+1. Start `mlx-specdec chat`, type a question with send-keys, read the streamed answer back with
+   capture-pane; it matches the saved row; Ctrl+Q exits with status 0.
+2. Ask for a long answer, `kill -9` the app mid-answer, start it again: the partial answer that
+   was on screen is shown again (marked interrupted).
+
+Marked slow (the real model); skipped cleanly where tmux is absent. About a minute on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+if shutil.which("tmux") is None:
+    pytest.skip("tmux is not installed", allow_module_level=True)
+
+WIDTH, HEIGHT = 80, 24  # the smallest size the app promises to be usable at
+SOCKET = f"mlxspecdec-test-{os.getpid()}"  # a private tmux server: never touches the user's sessions
+
+
+def tmux(*args: str, check: bool = True) -> str:
+    return subprocess.run(["tmux", "-L", SOCKET, *args], capture_output=True, text=True, check=check).stdout
+
+
+def capture(session: str) -> str:
+    return tmux("capture-pane", "-p", "-t", session, check=False)
+
+
+def wait_screen(session: str, pattern: str, timeout: float) -> str:
+    deadline = time.time() + timeout
+    screen = ""
+    while time.time() < deadline:
+        screen = capture(session)
+        if re.search(pattern, screen):
+            return screen
+        time.sleep(0.25)
+    raise AssertionError(f"{pattern!r} not on screen after {timeout:.0f}s:\n{screen}")
+
+
+def start_app(session: str, data: Path, max_tokens: int) -> Path:
+    """Start the app in a detached tmux session; returns the file its exit status goes to."""
+    env = {"MLX_SPECDEC_DATA": str(data), "TERM": "xterm-256color", "COLORTERM": "truecolor"}
+    if os.environ.get("MLX_SPECDEC_HOME"):
+        env["MLX_SPECDEC_HOME"] = os.environ["MLX_SPECDEC_HOME"]
+    assignments = " ".join(f"{k}={v}" for k, v in env.items())
+    status = data / f"exit-{time.time_ns()}"
+    command = (f"env {assignments} {sys.executable} -m mlx_specdec.cli chat "
+               f"--max-tokens {max_tokens}; echo $? > {status}")
+    data.mkdir(parents=True, exist_ok=True)
+    tmux("new-session", "-d", "-s", session, "-x", str(WIDTH), "-y", str(HEIGHT), command)
+    return status
+
+
+def app_pid(session: str) -> int:
+    """The app's Python process: a child of the pane's shell."""
+    shell = int(tmux("display-message", "-p", "-t", session, "#{pane_pid}").strip())
+    for child in Path(f"/proc/{shell}/task/{shell}/children").read_text().split():
+        cmdline = Path(f"/proc/{child}/cmdline").read_text().replace("\0", " ")
+        if "mlx_specdec.cli" in cmdline:
+            return int(child)
+        for grandchild in Path(f"/proc/{child}/task/{child}/children").read_text().split():
+            if "mlx_specdec.cli" in Path(f"/proc/{grandchild}/cmdline").read_text().replace("\0", " "):
+                return int(grandchild)
+    raise AssertionError("the app's process was not found")
+
+
+def answer_on_screen(screen: str) -> str:
+    """The last assistant message's text as drawn (sidebar hidden), without wrapping."""
+    lines = screen.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.strip().startswith("Assistant ·")]
+    assert starts, screen
+    out = []
+    for line in lines[starts[-1] + 1:]:
+        text = line.strip()
+        if not text or text.startswith("[") or text.startswith("▔") or text.startswith("▁"):
+            break
+        out.append(text.replace("▍", ""))
+    return " ".join(out)
+
+
+def squash(text: str) -> str:
+    return re.sub(r"\s+", "", text)
+
+
+def rows(db: Path):
+    con = sqlite3.connect(db)
+    con.row_factory = sqlite3.Row
+    try:
+        return [dict(r) for r in con.execute("SELECT * FROM messages ORDER BY id")]
+    finally:
+        con.close()
+
+
+@pytest.fixture
+def session():
+    name = f"mlxspecdec-test-{os.getpid()}"
+    yield name
+    tmux("kill-server", check=False)
+
+
+def test_chat_app_in_tmux_streams_and_survives_kill_9(tmp_path, session):
+    data = tmp_path / "data"
+    db = data / "chats.sqlite3"
+
+    # 1. a question typed into the real terminal, the streamed answer read back
+    status = start_app(session, data, max_tokens=40)
+    wait_screen(session, r"ready: ", timeout=300)  # load + measuring the plain speed once
+    tmux("send-keys", "-t", session, "C-b")  # hide the conversation list: whole lines of answer
+    tmux("send-keys", "-t", session, "-l", "What is the capital of France?")
+    tmux("send-keys", "-t", session, "Enter")
+    screen = wait_screen(session, r"plain done", timeout=120)
+    shown = answer_on_screen(screen)
+    saved = rows(db)
+    assert [(r["role"], r["status"]) for r in saved] == [("user", "done"), ("assistant", "done")]
+    assert saved[0]["content"] == "What is the capital of France?"
+    assert shown and squash(shown) == squash(saved[1]["content"])
+    assert "Paris" in saved[1]["content"]
+    assert re.search(r"plain done │ \d+\.\d tok/s │ \d\.\d\d tok/fwd", screen)  # the status bar
+    print("\n--- screen after the answer ---\n" + screen)
+    tmux("send-keys", "-t", session, "C-q")
+    deadline = time.time() + 30
+    while not (status.exists() and status.read_text().strip()):
+        assert time.time() < deadline, "the app did not exit on Ctrl+Q"
+        time.sleep(0.2)
+    assert status.read_text().strip() == "0"
+    tmux("kill-session", "-t", session, check=False)
+
+    # 2. kill -9 in the middle of a long answer; the partial answer comes back on restart
+    start_app(session, data, max_tokens=400)
+    wait_screen(session, r"ready: ", timeout=120)
+    tmux("send-keys", "-t", session, "C-b")
+    tmux("send-keys", "-t", session, "C-n")
+    tmux("send-keys", "-t", session, "-l", "Write a long story about a dragon who learns to bake bread.")
+    tmux("send-keys", "-t", session, "Enter")
+    deadline = time.time() + 120
+    while True:
+        assert time.time() < deadline, capture(session)
+        last = rows(db)[-1]
+        if last["role"] == "assistant" and len(last["content"]) >= 80:
+            break
+        time.sleep(0.2)
+    screen_before = capture(session)
+    shown_before = answer_on_screen(screen_before)
+    os.kill(app_pid(session), signal.SIGKILL)
+    time.sleep(0.5)
+    saved = rows(db)[-1]
+    assert saved["status"] == "streaming"  # nobody closed it: the process died mid-answer
+    assert squash(shown_before) in squash(saved["content"])  # nothing shown was lost
+    print("\n--- screen just before kill -9 ---\n" + screen_before)
+    tmux("kill-session", "-t", session, check=False)
+
+    start_app(session, data, max_tokens=40)
+    screen_after = wait_screen(session, r"interrupted", timeout=120)
+    tmux("send-keys", "-t", session, "C-b")
+    time.sleep(0.5)
+    screen_after = capture(session)
+    print("\n--- screen after restarting ---\n" + screen_after)
+    restored = answer_on_screen(screen_after)
+    assert squash(restored) == squash(saved["content"])
+    assert rows(db)[-1]["status"] == "interrupted"
+    assert "Write a long story about a dragon" in screen_after

@@ -1,0 +1,27 @@
+"""`mlx-specdec chat`: start the Textual app (the CLI imports this lazily; the engine never does)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from mlx_specdec.errors import UserError
+
+
+def run_chat(args, params) -> int:
+    """args: the `chat` subcommand's namespace; params: its GenerationParams (new conversations'
+    defaults). Returns the exit status."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise UserError("the chat app needs a terminal; use `mlx-specdec chat --plain` for a pipe")
+    from .app import ChatApp, real_loader
+
+    settings = {"max_tokens": params.max_tokens, "temperature": params.temperature,
+                "top_p": params.top_p, "seed": params.seed, **params.options}
+    settings.pop("profile", None)
+    app = ChatApp(loader=real_loader(args.model, args.dtype, args.drafter),
+                  db_path=Path(args.db).expanduser() if args.db else None,
+                  method=args.method, settings=settings, model_label=args.model,
+                  export_dir=Path(args.export_dir).expanduser() if args.export_dir else None,
+                  theme="textual-light" if args.light else "textual-dark")
+    app.run()
+    return app.return_code or 0

@@ -1,0 +1,169 @@
+"""Modal screens: the method + settings of a conversation, and the help screen."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, Select, Static
+
+from .widgets import METHOD_LABELS
+
+#: (key, label, kind, default, methods it applies to; None = all)
+FIELDS: List[Tuple[str, str, type, object, Optional[Tuple[str, ...]]]] = [
+    ("max_tokens", "max tokens", int, 512, None),
+    ("temperature", "temperature (0 = greedy)", float, 0.0, None),
+    ("top_p", "top-p", float, 1.0, None),
+    ("seed", "seed (empty = random)", int, None, None),
+    ("beam_width", "beam width W", int, 2, ("redrafter",)),
+    ("beam_length", "beam length L", int, 5, ("redrafter",)),
+    ("max_threads", "max live threads", int, 32, ("apar",)),
+    ("max_depth", "max fork depth (0: none)", int, 2, ("apar",)),
+]
+#: settings passed as `GenerationParams.options` (method-specific), per method
+METHOD_OPTIONS = {"redrafter": ("beam_width", "beam_length"), "apar": ("max_threads", "max_depth")}
+DEFAULT_SETTINGS: Dict[str, object] = {k: d for k, _, _, d, _ in FIELDS}
+
+
+def parse_settings(raw: Dict[str, str]) -> Dict[str, object]:
+    """Text fields -> typed settings; ValueError with a readable line on bad input."""
+    out: Dict[str, object] = {}
+    for key, label, kind, default, _ in FIELDS:
+        text = (raw.get(key) or "").strip()
+        if not text:
+            if default is not None:
+                raise ValueError(f"{label} is empty")
+            out[key] = None
+            continue
+        try:
+            value = kind(text)
+        except ValueError:
+            raise ValueError(f"{label}: {text!r} is not a {'whole ' if kind is int else ''}number") from None
+        out[key] = value
+    if out["max_tokens"] < 1:
+        raise ValueError("max tokens must be at least 1")
+    if out["temperature"] < 0:
+        raise ValueError("temperature must be >= 0")
+    if not 0 < out["top_p"] <= 1:
+        raise ValueError("top-p must be in (0, 1]")
+    for key in ("beam_width", "max_threads"):
+        if out[key] < 1:
+            raise ValueError(f"{key.replace('_', ' ')} must be at least 1")
+    if out["max_depth"] < 0:
+        raise ValueError("max fork depth must be at least 0")
+    if out["beam_length"] < 2:
+        raise ValueError("beam length must be at least 2")
+    return out
+
+
+class SettingsScreen(ModalScreen[Optional[dict]]):
+    """Method and settings of the current conversation. Returns {'method', 'settings'} or None."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+    DEFAULT_CSS = """
+    SettingsScreen { align: center middle; }
+    #settings-box { width: 60; max-width: 100%; height: auto; max-height: 100%;
+                    border: round $accent; background: $surface; padding: 0 1; }
+    #settings-grid { grid-size: 2; grid-columns: 26 1fr; grid-rows: 1; grid-gutter: 0 1; height: auto; }
+    #settings-grid Label { width: 100%; color: $text-muted; }
+    #settings-grid Input, #settings-grid Select { width: 100%; }
+    #settings-grid Input { background: $boost; }
+    #settings-buttons { height: auto; align: right middle; margin-top: 1; }
+    #settings-buttons Button { margin-left: 1; }
+    """
+
+    def __init__(self, methods: List[str], method: str, settings: dict):
+        super().__init__()
+        self.methods = methods
+        self.method = method
+        self.settings = {**DEFAULT_SETTINGS, **settings}
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="settings-box") as box:
+            box.border_title = "Method and settings (this conversation)"
+            with Grid(id="settings-grid"):
+                yield Label("method")
+                yield Select([(f"{METHOD_LABELS.get(m, m)} ({m})", m) for m in self.methods],
+                             value=self.method if self.method in self.methods else self.methods[0],
+                             allow_blank=False, compact=True, id="method")
+                for key, label, _, _, methods in FIELDS:
+                    note = f" ({'/'.join(methods)})" if methods else ""
+                    yield Label(label + note)
+                    value = self.settings.get(key)
+                    yield Input("" if value is None else str(value), compact=True, id=f"field-{key}")
+            with Horizontal(id="settings-buttons"):
+                yield Button("Cancel", id="cancel", compact=True)
+                yield Button("Save", id="save", variant="primary", compact=True)
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "save":
+            self.action_save()
+        else:
+            self.action_cancel()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        self.action_save()
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+    def action_save(self) -> None:
+        raw = {key: self.query_one(f"#field-{key}", Input).value for key, *_ in FIELDS}
+        try:
+            settings = parse_settings(raw)
+        except ValueError as exc:
+            self.notify(str(exc), title="Setting not saved", severity="error")
+            return
+        self.dismiss({"method": self.query_one("#method", Select).value, "settings": settings})
+
+
+KEYS = [
+    ("Enter", "send the question"),
+    ("Esc", "stop the answer now (the text so far is kept)"),
+    ("Ctrl+N", "new conversation"),
+    ("Ctrl+O", "method and settings of this conversation"),
+    ("Ctrl+S", "export this conversation to Markdown"),
+    ("Ctrl+B", "show / hide the conversation list"),
+    ("Ctrl+T", "light / dark theme"),
+    ("F1", "this help"),
+    ("Ctrl+Q", "quit"),
+]
+
+HELP_TEXT = """\
+[b]Methods.[/b] [i]plain[/i] (ar) is the model's own decoding. [i]ReDrafter[/i] drafts several \
+tokens with a small head and verifies them in one forward: text from accepted drafts is \
+[$text-success underline]green and underlined[/]. [i]APAR[/i] forks a thread per paragraph: \
+each live thread gets a pane, nested under the thread that forked it, and closes when it \
+finishes; the answer assembles above.
+
+[b]Status bar.[/b] tokens/s, tokens per forward, draft acceptance, and the speed-up over this \
+model's plain speed measured on this machine (once, then cached).
+
+[b]Saved.[/b] Conversations are written to an SQLite file in your user data directory as the \
+answer streams: a partial answer survives even a killed process."""
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape", "close", "Close"), Binding("f1", "close", "Close"), Binding("q", "close", "Close")]
+    DEFAULT_CSS = """
+    HelpScreen { align: center middle; }
+    #help-box { width: 76; max-width: 100%; height: auto; max-height: 100%; border: round $accent;
+                background: $surface; padding: 0 1; }
+    #help-keys { height: auto; margin-bottom: 1; }
+    #help-text { height: auto; }
+    """
+
+    def compose(self) -> ComposeResult:
+        from textual.content import Content
+
+        keys = Content("\n").join(Content.assemble((f"{key:<8}", "bold $text-accent"), what) for key, what in KEYS)
+        with VerticalScroll(id="help-box") as box:
+            box.border_title = "Help (Esc closes)"
+            yield Static(keys, id="help-keys")
+            yield Static(HELP_TEXT, id="help-text")
+
+    def action_close(self) -> None:
+        self.dismiss(None)

@@ -1,0 +1,256 @@
+"""The chat screen's widgets: messages, live thread panes, the status bar, the conversation list."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+from textual.containers import VerticalScroll
+from textual.content import Content
+from textual.widgets import Label, ListItem, ListView, Static
+
+from .stream import StreamState, ThreadView
+
+#: how text that came from accepted drafts is shown: the theme's success colour, underlined (an
+#: underline reads on light and dark themes and without colour)
+ACCEPTED_STYLE = "$text-success underline"
+METHOD_LABELS = {"ar": "plain", "mlx-lm": "mlx-lm", "redrafter": "ReDrafter", "apar": "APAR"}
+
+
+def method_label(method: str, settings: Optional[dict] = None) -> str:
+    label = METHOD_LABELS.get(method, method)
+    settings = settings or {}
+    if method == "redrafter":
+        label += f" W{settings.get('beam_width', 2)} L{settings.get('beam_length', 5)}"
+    elif method == "apar":
+        label += f" ≤{settings.get('max_threads', 32)} threads, depth ≤{settings.get('max_depth', 2)}"
+    temp = float(settings.get("temperature", 0.0) or 0.0)
+    label += " greedy" if temp <= 0 else f" T={temp:g}"
+    return label
+
+
+def segments_content(segments: List[List]) -> Content:
+    parts = []
+    for text, accepted in segments:
+        parts.append((text, ACCEPTED_STYLE) if accepted else text)
+    return Content.assemble(*parts) if parts else Content("")
+
+
+def marks_to_segments(text: str, marks: List[List[int]]) -> List[List]:
+    out, pos = [], 0
+    for start, end in sorted(marks):
+        start, end = max(start, pos), min(end, len(text))
+        if start >= end:
+            continue
+        if start > pos:
+            out.append([text[pos:start], False])
+        out.append([text[start:end], True])
+        pos = end
+    if pos < len(text):
+        out.append([text[pos:], False])
+    return out
+
+
+STATUS_NOTES = {"stopped": "stopped (Esc)", "interrupted": "interrupted: the app was closed mid-answer",
+                "error": "error", "streaming": "…"}
+
+
+class MessageView(Static):
+    """One message. An assistant message is re-rendered as its text streams in."""
+
+    DEFAULT_CSS = """
+    MessageView { height: auto; margin: 0 0 1 0; }
+    """
+
+    def __init__(self, role: str, text: str = "", *, message_id: Optional[int] = None,
+                 method: str = "", status: str = "done", segments: Optional[List[List]] = None,
+                 summary: str = ""):
+        super().__init__(classes=f"-{role}")
+        self.role = role
+        self.message_id = message_id
+        self.method = method
+        self.status = status
+        self.segments = segments if segments is not None else [[text, False]]
+        self.summary = summary
+
+    def on_mount(self) -> None:
+        self.refresh_content()
+
+    def set_stream(self, segments: List[List], status: Optional[str] = None, summary: Optional[str] = None) -> None:
+        self.segments = segments
+        if status is not None:
+            self.status = status
+        if summary is not None:
+            self.summary = summary
+        self.refresh_content()
+
+    @property
+    def text(self) -> str:
+        return "".join(t for t, _ in self.segments)
+
+    def refresh_content(self) -> None:
+        if self.role == "user":
+            head = Content.assemble(("You", "bold $text-primary"))
+        else:
+            head = Content.assemble(("Assistant", "bold $text-secondary"),
+                                    (f" · {METHOD_LABELS.get(self.method, self.method)}", "$text-muted"))
+        body = segments_content(self.segments)
+        if self.role == "assistant" and self.status == "streaming":
+            body = body.append(Content.assemble(("▍", "$text-accent")))
+        parts = [head, "\n", body]
+        note = STATUS_NOTES.get(self.status) if self.status not in ("done", "streaming") else None
+        tail = " · ".join(x for x in (note, self.summary) if x)
+        if tail and self.role == "assistant":
+            parts += ["\n", (f"[{tail}]", "italic $text-muted")]
+        self.update(Content.assemble(*parts))
+
+
+class ChatLog(VerticalScroll):
+    """The conversation; follows the end while the user has not scrolled up."""
+
+    DEFAULT_CSS = """
+    ChatLog { height: 1fr; padding: 0 1; }
+    """
+
+    def add(self, view: MessageView) -> MessageView:
+        self.mount(view)
+        self.scroll_end(animate=False)
+        return view
+
+    def follow(self) -> None:
+        if self.max_scroll_y - self.scroll_y <= 3:
+            self.scroll_end(animate=False)
+
+
+class ThreadPane(Static):
+    """A live forked thread: its id, parent, token count and the tail of its text."""
+
+    DEFAULT_CSS = """
+    ThreadPane { height: auto; max-height: 3; border-left: outer $accent; padding: 0 0 0 1; }
+    """
+
+    def __init__(self, view: ThreadView):
+        super().__init__(id=f"thread-{view.thread_id}", classes="thread-pane")
+        self.view = view
+        self.styles.margin = (0, 0, 0, 2 * max(view.depth - 1, 0))
+
+    def on_mount(self) -> None:
+        self.refresh_content()
+
+    def refresh_content(self) -> None:
+        view = self.view
+        parent = "root" if view.parent_id in (None, 0) else f"thread {view.parent_id}"
+        head = Content.assemble((f"thread {view.thread_id}", "bold $text-accent"),
+                                (f" ← {parent} · {view.tokens} tok", "$text-muted"))
+        tail = view.text.replace("\n", " ⏎ ").strip()
+        width = max((self.size.width or 60) - 3, 20)
+        if len(tail) > 2 * width:
+            tail = "…" + tail[-(2 * width - 1):]
+        self.update(Content.assemble(head, "\n", tail))
+
+
+class ThreadPanes(VerticalScroll):
+    """Live panes of the forked threads, nested under their parents; a pane closes when its
+    thread finishes. The border title tells how the paragraph tree has grown."""
+
+    DEFAULT_CSS = """
+    ThreadPanes { height: auto; max-height: 45%; display: none; border: round $accent; padding: 0 1; }
+    ThreadPanes.-active { display: block; }
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.panes: Dict[int, ThreadPane] = {}
+        self.border_title = "paragraph tree"
+
+    def reset(self) -> None:
+        for pane in list(self.panes.values()):
+            pane.remove()
+        self.panes.clear()
+        self.remove_class("-active")
+
+    def open(self, view: ThreadView, state: StreamState) -> None:
+        if view.thread_id in self.panes:
+            return
+        pane = ThreadPane(view)
+        self.panes[view.thread_id] = pane
+        # nested under its parent: after the parent's pane and the panes already under it
+        after = self._last_descendant(view.parent_id, state)
+        if after is not None:
+            self.mount(pane, after=after)
+        else:
+            self.mount(pane)
+        self.add_class("-active")
+
+    def _last_descendant(self, parent: Optional[int], state: StreamState) -> Optional[ThreadPane]:
+        if parent not in self.panes:
+            return None
+        last = self.panes[parent]
+        for tid, pane in self.panes.items():
+            ancestor = state.threads[tid].parent_id
+            while ancestor is not None and ancestor != parent and ancestor in state.threads:
+                ancestor = state.threads[ancestor].parent_id
+            if ancestor == parent and tid != parent and pane.parent is self:
+                children = list(self.children)
+                if children.index(pane) > children.index(last):
+                    last = pane
+        return last
+
+    def update_thread(self, tid: int) -> None:
+        pane = self.panes.get(tid)
+        if pane is not None:
+            pane.refresh_content()
+
+    def close(self, tid: int) -> None:
+        pane = self.panes.pop(tid, None)
+        if pane is not None:
+            pane.remove()
+        if not self.panes:
+            self.remove_class("-active")
+
+    def describe(self, state: StreamState) -> None:
+        total = len(state.threads) - 1
+        live = len(state.live_threads())
+        depth = max((v.depth for v in state.threads.values()), default=0)
+        self.border_title = f"paragraph tree · {total} threads, {live} live, depth {depth}"
+
+
+class StatusBar(Static):
+    """One line: method, tok/s, tokens per forward, acceptance, speed-up against plain speed."""
+
+    DEFAULT_CSS = """
+    StatusBar { height: 1; background: $panel; color: $text; padding: 0 1; }
+    """
+
+    def show_text(self, text: str) -> None:
+        self.update(Content(text))
+
+    def show_state(self, state: StreamState, method: str, baseline: Optional[float], phase: str) -> None:
+        parts = [f"{METHOD_LABELS.get(method, method)} {phase}", f"{state.decode_tps:.1f} tok/s",
+                 f"{state.tokens_per_forward:.2f} tok/fwd"]
+        acceptance = state.acceptance
+        if acceptance is not None:
+            parts.append(f"acc {acceptance:.0%}")
+        elif method == "redrafter":
+            parts.append("acc –")
+        speedup = state.speedup
+        if speedup is not None:
+            parts.append(f"×{speedup:.2f} vs plain {baseline:.1f}")
+        elif baseline:
+            parts.append(f"plain {baseline:.1f} tok/s")
+        if state.forked:
+            parts.append(f"threads {len(state.live_threads())}/{len(state.threads) - 1}")
+        self.update(Content(" │ ".join(parts)))
+
+
+class ConversationItem(ListItem):
+    def __init__(self, conversation_id: int, title: str, method: str):
+        super().__init__(Label(title, classes="title"), Label(METHOD_LABELS.get(method, method), classes="method"))
+        self.conversation_id = conversation_id
+
+
+class ConversationList(ListView):
+    DEFAULT_CSS = """
+    ConversationList { height: 1fr; }
+    ConversationList ConversationItem { height: 2; padding: 0 1; }
+    ConversationList .method { color: $text-muted; }
+    """
