@@ -59,24 +59,22 @@ def _method_options(args) -> dict:
     return options
 
 
-def _nonnegative_int(text: str, flag: str) -> int:
+def _whole_number(text: str, flag: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise UserError(f"{flag} takes a whole number, not {text!r}") from None
-    if value < 0:
-        raise UserError(f"{flag} must be at least 0")
+    if value < minimum:
+        raise UserError(f"{flag} must be at least {minimum}")
     return value
+
+
+def _nonnegative_int(text: str, flag: str) -> int:
+    return _whole_number(text, flag, 0)
 
 
 def _positive_int(text: str, flag: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise UserError(f"{flag} takes a whole number, not {text!r}") from None
-    if value < 1:
-        raise UserError(f"{flag} must be at least 1")
-    return value
+    return _whole_number(text, flag, 1)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
