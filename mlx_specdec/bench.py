@@ -42,7 +42,11 @@ SUMMARY_COLUMNS = [
 ]
 #: method-specific figures copied from `GenerationStats.extra` into each row when present
 EXTRA_FIELDS = ["steps", "compression", "acceptance_per_position", "tree_tokens_before_dedup",
-                "tree_tokens_after_dedup", "draft_s", "verify_s", "accept_s", "pack_s", "sync_s"]
+                "tree_tokens_after_dedup", "draft_s", "verify_s", "accept_s", "pack_s", "sync_s",
+                # apar: the answer's tree, and the same answer flattened and decoded sequentially
+                "threads", "forked", "max_live_threads", "decode_steps", "max_cached_tokens",
+                "attended_tokens_mean", "answer_tokens", "control_tokens", "flat_decode_steps",
+                "flat_max_cached_tokens", "flat_attended_tokens_mean"]
 
 
 @dataclass
@@ -134,14 +138,11 @@ def environment(engine: Engine) -> Dict[str, object]:
 def run_one(engine: Engine, prompt: Prompt, config: MethodConfig, base: GenerationParams):
     params = GenerationParams(max_tokens=base.max_tokens, temperature=base.temperature,
                               top_p=base.top_p, seed=base.seed, options=dict(config.options))
-    tokens: List[int] = []
-    stats = None
-    for event in engine.generate(prompt.text, method=config.method, params=params):
-        if event.kind == "token" and event.thread_id == 0:
-            tokens.extend(event.tokens)
-        elif event.kind == "done":
-            stats = event.stats
-    return tokens, stats
+    from .apar.tree import restore_tokens
+
+    events = list(engine.generate(prompt.text, method=config.method, params=params))
+    stats = next(e.stats for e in events if e.kind == "done")
+    return restore_tokens(events), stats  # the whole answer (APAR: its tree read in order)
 
 
 def run_bench(engine: Engine, prompts: List[Prompt], configs: List[MethodConfig],

@@ -255,6 +255,7 @@ def test_stats_report_threads_and_flattened_figures():
     assert extra["flat_max_cached_tokens"] == P + T
     assert extra["flat_attended_tokens_mean"] == round(P + T / 2, 2)
     assert extra["decode_steps"] < extra["flat_decode_steps"]
+    assert "4 threads" in stats.summary() and "(flat)" in stats.summary()
 
 
 def test_parallel_threads_cache_and_attend_less_than_the_flattened_answer():
@@ -301,3 +302,21 @@ def test_control_tokens_found_by_name_and_missing_ones_refused():
     assert control_tokens_for(plain) is None
     with pytest.raises(NoControlTokens, match="control tokens"):
         list(Engine(plain).generate_ids(PROMPT, "apar", GenerationParams(max_tokens=4)))
+
+
+def test_bench_rows_carry_the_whole_restored_answer_and_the_apar_figures():
+    from mlx_specdec.bench import MethodConfig, Prompt, run_bench
+
+    lm = make_apar_lm()
+    lm.tokenizer._tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    engine = Engine(lm)
+    prompts = [Prompt("1", "generic", "w5 w17 w42 w3"), Prompt("2", "coding", "w60 w61")]
+    result = run_bench(engine, prompts, [MethodConfig("ar"), MethodConfig("apar", {"max_depth": 0})],
+                       GenerationParams(max_tokens=10), progress=False)
+    rows = {(r["method"], r["prompt_id"]): r for r in result["rows"]}
+    for pid in ("1", "2"):
+        apar_row = rows[("apar", pid)]
+        assert apar_row["threads"] == 1 and apar_row["forked"] is False
+        assert apar_row["flat_max_cached_tokens"] == apar_row["prompt_tokens"] + apar_row["answer_tokens"]
+        assert apar_row["identical_to_ar"]  # no forks allowed: plain greedy decoding of the same model
+    assert "threads" not in rows[("ar", "1")]

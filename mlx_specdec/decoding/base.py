@@ -97,6 +97,10 @@ class GenerationStats:
         if "compression" in extra:
             line += (f" | tree {extra['tree_tokens_after_dedup']}/{extra['tree_tokens_before_dedup']} "
                      f"tokens after dedup")
+        if "threads" in extra:  # apar: vs the same answer flattened and decoded sequentially
+            line += (f" | {extra['threads']} threads, {extra['decode_steps']} steps vs {extra['flat_decode_steps']}"
+                     f" | max cached {extra['max_cached_tokens']} vs {extra['flat_max_cached_tokens']}"
+                     f" | attended {extra['attended_tokens_mean']} vs {extra['flat_attended_tokens_mean']} (flat)")
         timed = [k for k in ("draft_s", "pack_s", "verify_s", "accept_s", "sync_s") if k in extra]
         if timed and extra.get("steps"):
             line += " | ms/step " + " ".join(f"{k[:-2]} {1000 * extra[k] / extra['steps']:.1f}" for k in timed)
