@@ -396,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training checkpoints (default: $MLX_SPECDEC_HOME/drafter-checkpoints/<output name>)")
     p.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap (default: %(default)s)")
     p.add_argument("--data-batch", type=int, default=32, help="prompts per generation batch (default: %(default)s)")
-    p.add_argument("--draft-vocab", type=int, default=4096,
+    p.add_argument("--draft-vocab", type=int, default=8192,
                    help="K most frequent answer tokens the head predicts (default: %(default)s)")
     p.add_argument("--draft-length", type=int, default=5, help="tokens trained per window (default: %(default)s)")
     p.add_argument("--output-kind", default="llm_head",
