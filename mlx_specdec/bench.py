@@ -2,8 +2,13 @@
 
 One schema (`ROW_COLUMNS`, `SUMMARY_COLUMNS`) renders to Markdown, JSON and CSV. Methods run
 prompt-major (all methods on prompt 1, then prompt 2, ...) so slow drifts of a noisy machine
-hit every method alike. `speedup_vs_ar` is (AR decode time) / (method decode time) summed over
-the same prompts within one repeat; over repeats we report mean ± sd.
+hit every method alike. `speedup_vs_ar` is (method decode tokens/s) / (AR decode tokens/s), each
+pooled over the same prompts within one repeat; over repeats we report mean ± sd. For a lossless
+method both write the same tokens, so this is AR decode time / method decode time; APAR writes
+its own answer (its model is fine-tuned), so for it the ratio compares generated tokens per second.
+
+When `apar` runs, every ar and apar answer is also scored by the original model (`answer_nll`:
+mean NLL per token, `apar.quality`), and APAR's summary carries `nll_vs_ar`, its quality guard.
 """
 
 from __future__ import annotations
@@ -33,12 +38,23 @@ ROW_COLUMNS = [
     "method", "config", "prompt_id", "category", "repeat", "prompt_tokens", "new_tokens",
     "decode_tps", "ttft_ms", "decode_s", "forward_passes", "tokens_per_forward", "drafted",
     "accepted", "peak_memory_mb", "identical_to_ar", "compression", "acceptance_per_position",
+    "threads", "max_cached_tokens", "flat_max_cached_tokens", "attended_tokens_mean",
+    "flat_attended_tokens_mean", "answer_nll",
 ]
 SUMMARY_COLUMNS = [
     "method", "config", "prompts", "new_tokens", "decode_tps", "decode_tps_sd", "speedup_vs_ar",
     "speedup_sd", "tokens_per_forward", "ttft_ms_median", "peak_memory_mb", "identical_fraction",
     "compression", "acceptance_per_position", "draft_ms_per_step", "verify_ms_per_step",
     "accept_ms_per_step", "pack_ms_per_step", "sync_ms_per_step",
+    # apar: the paper's Tables 1, 2 and 7, each next to the flattened answer decoded sequentially
+    "forked_fraction", "threads_mean", "threads_when_forked", "decode_steps_mean", "flat_decode_steps_mean",
+    "max_cached_tokens_mean", "flat_max_cached_tokens_mean", "attended_tokens_mean",
+    "flat_attended_tokens_mean", "answer_nll", "nll_vs_ar",
+]
+CATEGORY_COLUMNS = [
+    "method", "config", "category", "prompts", "decode_tps", "speedup_vs_ar", "forked_fraction",
+    "threads_mean", "threads_when_forked", "max_cached_tokens_mean", "flat_max_cached_tokens_mean",
+    "attended_tokens_mean", "flat_attended_tokens_mean", "answer_nll", "nll_vs_ar",
 ]
 #: method-specific figures copied from `GenerationStats.extra` into each row when present
 EXTRA_FIELDS = ["steps", "compression", "acceptance_per_position", "tree_tokens_before_dedup",
@@ -54,6 +70,7 @@ class Prompt:
     id: str
     category: str
     text: str
+    shape: str = "-"  # the answer's expected shape: list, paragraphs, code, math (our prompt files)
 
 
 @dataclass
@@ -67,7 +84,7 @@ class MethodConfig:
 
 
 def load_prompts(path: Optional[Path], limit: Optional[int] = None,
-                 categories: Optional[List[str]] = None) -> List[Prompt]:
+                 categories: Optional[List[str]] = None, shapes: Optional[List[str]] = None) -> List[Prompt]:
     """FastChat question files (JSON lines with question_id, category, turns) or plain text."""
     path = Path(path) if path else DEFAULT_PROMPTS
     if not path.exists():
@@ -82,13 +99,13 @@ def load_prompts(path: Optional[Path], limit: Optional[int] = None,
                 record = json.loads(line)
                 turns = record.get("turns") or [record.get("prompt") or record.get("text")]
                 prompts.append(Prompt(str(record.get("question_id", record.get("id", number))),
-                                      record.get("category", "-"), str(turns[0])))
+                                      record.get("category", "-"), str(turns[0]), record.get("shape", "-")))
             except (json.JSONDecodeError, TypeError, IndexError) as exc:
                 raise UserError(f"{path}:{number}: not a FastChat question line ({exc})") from None
         else:
             prompts.append(Prompt(str(number), "-", line))
-    if categories:
-        prompts = [p for p in prompts if p.category in categories]
+    if categories or shapes:  # a prompt is kept if its category or its shape is asked for
+        prompts = [p for p in prompts if p.category in (categories or []) or p.shape in (shapes or [])]
     if limit:
         prompts = prompts[:limit]
     if not prompts:
@@ -183,9 +200,28 @@ def run_bench(engine: Engine, prompts: List[Prompt], configs: List[MethodConfig]
     bar.close()
     for row in rows:
         ref = reference.get(row["prompt_id"])
-        row["identical_to_ar"] = ref is not None and row.pop("_tokens") == ref
+        row["identical_to_ar"] = ref is not None and row["_tokens"] == ref
+    if any(c.method == "apar" for c in configs):
+        score_answers(engine, prompts, rows, progress)
+    for row in rows:
+        del row["_tokens"]
     return {"environment": environment(engine), "params": _params_dict(params, repeats),
             "rows": rows, "summary": summarize(rows, configs, repeats)}
+
+
+def score_answers(engine: Engine, prompts: List[Prompt], rows: List[dict], progress: bool = True) -> None:
+    """APAR's quality guard: every ar and apar answer's mean NLL under the original model."""
+    from tqdm import tqdm
+
+    from .apar.quality import answer_nll
+
+    texts = {p.id: p.text for p in prompts}
+    scored = [r for r in rows if r["method"] in ("ar", "apar")]
+    for row in tqdm(scored, desc="score (NLL under the original model)", unit="answer",
+                    disable=not progress, file=sys.stderr):
+        prompt_ids = engine.lm.encode_prompt(texts[row["prompt_id"]])
+        nll = answer_nll(engine.lm, prompt_ids, engine.lm.tokenizer.decode(row["_tokens"]))
+        row["answer_nll"] = None if nll != nll else round(nll, 4)  # NaN (empty answer): no score
 
 
 def _params_dict(params: GenerationParams, repeats: int) -> dict:
@@ -206,15 +242,11 @@ def summarize(rows: List[dict], configs: List[MethodConfig], repeats: int) -> Li
         if not mine:
             continue
         tps, speedups = [], []
+        ar_rows = _ar_rows(rows)
         for repeat in range(repeats):
             this = [r for r in mine if r["repeat"] == repeat]
-            ar = {r["prompt_id"]: r for r in rows
-                  if r["method"] == "ar" and r["config"] == "-" and r["repeat"] == repeat}
-            decode_tokens = sum(max(r["new_tokens"] - 1, 0) for r in this)
-            decode_time = sum(r["decode_s"] for r in this)
-            tps.append(decode_tokens / decode_time if decode_time else 0.0)
-            ar_time = sum(ar[r["prompt_id"]]["decode_s"] for r in this if r["prompt_id"] in ar)
-            speedups.append(ar_time / decode_time if decode_time else 0.0)
+            tps.append(_decode_tps(this))
+            speedups.append(_speedup(this, ar_rows))
         tps_mean, tps_sd = _mean_sd(tps)
         speed_mean, speed_sd = _mean_sd(speedups)
         forwards = sum(r["forward_passes"] for r in mine)
@@ -229,8 +261,56 @@ def summarize(rows: List[dict], configs: List[MethodConfig], repeats: int) -> Li
             "peak_memory_mb": max(r["peak_memory_mb"] for r in mine),
             "identical_fraction": round(sum(r["identical_to_ar"] for r in mine) / len(mine), 3),
             **_speculation_summary(mine),
+            **_apar_summary(mine, rows),
         })
     return summary
+
+
+def _decode_tps(rows: List[dict]) -> float:
+    """Decode tokens per second pooled over rows (the first token is the prefill's)."""
+    seconds = sum(r["decode_s"] for r in rows)
+    return sum(max(r["new_tokens"] - 1, 0) for r in rows) / seconds if seconds else 0.0
+
+
+def _ar_rows(rows: List[dict]) -> Dict[tuple, dict]:
+    return {(r["prompt_id"], r["repeat"]): r for r in rows if r["method"] == "ar" and r["config"] == "-"}
+
+
+def _speedup(rows: List[dict], ar_rows: Dict[tuple, dict]) -> float:
+    """Decode tok/s of these rows over plain decoding's tok/s on the same prompts and repeats."""
+    ar = [ar_rows[(r["prompt_id"], r["repeat"])] for r in rows if (r["prompt_id"], r["repeat"]) in ar_rows]
+    mine, base = _decode_tps(rows), _decode_tps(ar)
+    return mine / base if base else 0.0
+
+
+def _mean(values: List[float]) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def _apar_summary(mine: List[dict], rows: List[dict]) -> dict:
+    """APAR's figures (threads, forks, cached and attended tokens, next to the flattened answer's)
+    and the quality guard: answer NLL under the original model, and its ratio to ar's."""
+    out: dict = {}
+    with_tree = [r for r in mine if "threads" in r]
+    if with_tree:
+        forked = [r for r in with_tree if r["forked"]]
+        out["forked_fraction"] = round(len(forked) / len(with_tree), 3)
+        out["threads_mean"] = round(_mean([r["threads"] for r in with_tree]), 2)
+        out["threads_when_forked"] = round(_mean([r["threads"] for r in forked]), 2) if forked else None
+        for key in ("decode_steps", "flat_decode_steps", "max_cached_tokens", "flat_max_cached_tokens",
+                    "attended_tokens_mean", "flat_attended_tokens_mean"):
+            name = key if key.endswith("_mean") else f"{key}_mean"
+            out[name] = round(_mean([r[key] for r in with_tree]), 1)
+    nll = _mean([r.get("answer_nll") for r in mine])
+    if nll is not None:
+        out["answer_nll"] = round(nll, 4)
+        ar = _ar_rows(rows)
+        ar_nll = _mean([ar[(r["prompt_id"], r["repeat"])].get("answer_nll") for r in mine
+                        if (r["prompt_id"], r["repeat"]) in ar and r.get("answer_nll") is not None])
+        if ar_nll:
+            out["nll_vs_ar"] = round(nll / ar_nll, 3)
+    return out
 
 
 def _speculation_summary(rows: List[dict]) -> dict:
@@ -261,9 +341,13 @@ def _md_table(records: List[dict], columns: List[str]) -> str:
     return "\n".join(lines)
 
 
+def _rounded(record: dict) -> dict:
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in record.items()}
+
+
 def render(result: dict, fmt: str) -> str:
     if fmt == "json":
-        return json.dumps(result, indent=2)
+        return json.dumps(dict(result, per_category=[_rounded(t) for t in per_category(result)]), indent=2)
     if fmt == "csv":
         out = io.StringIO()
         writer = csv.DictWriter(out, fieldnames=ROW_COLUMNS, extrasaction="ignore")
@@ -276,6 +360,7 @@ def render(result: dict, fmt: str) -> str:
         return "\n\n".join([
             "## Environment", env, "## Parameters", params,
             "## Summary", _md_table(result["summary"], SUMMARY_COLUMNS),
+            "## Per category", _md_table([_rounded(t) for t in per_category(result)], CATEGORY_COLUMNS),
             "## Per prompt", _md_table(result["rows"], ROW_COLUMNS),
         ]) + "\n"
     raise UserError(f"unknown format {fmt!r} (choose md, json or csv)")
@@ -288,11 +373,11 @@ def print_summary(result: dict, stream=sys.stderr) -> None:
 # -- plot: which method wins where ----------------------------------------------------------------
 
 def per_category(result: dict) -> List[dict]:
-    """Decode tok/s and speed-up over plain decoding (ar) per method config and prompt category,
-    pooled over prompts and repeats (tokens / time; speed-up = AR decode time / method decode time
-    on the same prompts), plus an 'all' category."""
+    """Per method config and prompt category, pooled over prompts and repeats: decode tok/s,
+    speed-up over plain decoding (tok/s ratio on the same prompts), APAR's figures where present;
+    plus an 'all' category."""
     rows = result["rows"]
-    ar_time = {(r["prompt_id"], r["repeat"]): r["decode_s"] for r in rows if r["method"] == "ar" and r["config"] == "-"}
+    ar_rows = _ar_rows(rows)
     categories = sorted({r["category"] for r in rows})
     categories += ["all"] if len(categories) > 1 else []
     out = []
@@ -300,12 +385,9 @@ def per_category(result: dict) -> List[dict]:
         for category in categories:
             mine = [r for r in rows if r["method"] == s["method"] and r["config"] == s["config"]
                     and (category == "all" or r["category"] == category)]
-            decode_s = sum(r["decode_s"] for r in mine)
-            tokens = sum(max(r["new_tokens"] - 1, 0) for r in mine)
-            ar_s = sum(ar_time.get((r["prompt_id"], r["repeat"]), 0.0) for r in mine)
             out.append({"method": s["method"], "config": s["config"], "category": category,
-                        "prompts": len(mine), "decode_tps": tokens / decode_s if decode_s else 0.0,
-                        "speedup_vs_ar": ar_s / decode_s if decode_s else 0.0})
+                        "prompts": len({r["prompt_id"] for r in mine}), "decode_tps": _decode_tps(mine),
+                        "speedup_vs_ar": _speedup(mine, ar_rows), **_apar_summary(mine, rows)})
     return out
 
 

@@ -22,6 +22,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default="default", help=MODEL_HELP)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="compute dtype; auto = float32 on the CPU, the model's own on Metal")
+    p.add_argument("--apar-adapter", default="auto",
+                   help="apar: adapter directory (made by train-apar); 'auto' = the one shipped in models/ "
+                        "for this model; 'none' = no adapter (default: auto)")
 
 
 METHODS_HELP = "ar (plain), mlx-lm (peer baseline), redrafter, apar"
@@ -101,7 +104,9 @@ def _load_engine(args):
     from .engine import Engine
 
     print(f"Loading {args.model}...", file=sys.stderr, flush=True)
-    return Engine.load(args.model, dtype=args.dtype, drafter=getattr(args, "drafter", "auto"))
+    adapter = getattr(args, "apar_adapter", "auto")
+    return Engine.load(args.model, dtype=args.dtype, drafter=getattr(args, "drafter", "auto"),
+                       apar_adapter=None if adapter == "none" else adapter)
 
 
 def cmd_generate(args) -> int:
@@ -113,15 +118,57 @@ def cmd_generate(args) -> int:
     if not prompt.strip():
         raise UserError("empty prompt")
     engine = _load_engine(args)
-    for event in engine.generate(prompt, method=args.method, params=params,
-                                 chat_template=not args.raw):
-        if event.kind == "token" and event.thread_id == 0:
-            sys.stdout.write(event.text)
-            sys.stdout.flush()
-        elif event.kind == "done":
-            sys.stdout.write("\n")
-            print(event.stats.summary(), file=sys.stderr)
+    events = engine.generate(prompt, method=args.method, params=params, chat_template=not args.raw)
+    _print_answer(engine, events, verbose=True)
     return 0
+
+
+class AnswerPrinter:
+    """Streams an answer to stdout; `text` is what was printed so far (kept if Ctrl-C stops it).
+
+    One thread streams as it is written. APAR's threads write their paragraphs at the same time,
+    so while any forked thread is live only a thread count is shown (stderr), and the restored
+    answer (the tree read in order) is printed each time every forked thread has finished."""
+
+    def __init__(self, tokenizer, verbose: bool):
+        self.tokenizer, self.verbose = tokenizer, verbose
+        self.seen: list = []
+        self.live: set = set()
+        self.forked = False
+        self.text = ""
+
+    def feed(self, event) -> None:
+        from .apar.tree import restore_answer
+
+        self.seen.append(event)
+        if event.kind == "thread_start":
+            self.live.add(event.thread_id)
+            self.forked = True
+        elif event.kind == "thread_end":
+            self.live.discard(event.thread_id)
+        if event.kind == "token" and not self.forked:
+            self._write(self.text + event.text)
+        elif self.forked and (event.kind == "done" or not self.live):
+            self._write(restore_answer(self.seen, self.tokenizer))
+        elif event.kind == "token" and sys.stderr.isatty():
+            print(f"\r[{len(self.live) + 1} threads writing]", end="", file=sys.stderr, flush=True)
+        if event.kind == "done":
+            sys.stdout.write("\n")
+            if self.verbose:
+                print(event.stats.summary(), file=sys.stderr)
+
+    def _write(self, text: str) -> None:
+        if text.startswith(self.text):  # a restored answer only grows once its threads are done
+            sys.stdout.write(text[len(self.text):])
+            sys.stdout.flush()
+            self.text = text
+
+
+def _print_answer(engine, events, verbose: bool) -> str:
+    printer = AnswerPrinter(engine.lm.tokenizer, verbose)
+    for event in events:
+        printer.feed(event)
+    return printer.text
 
 
 def cmd_chat(args) -> int:
@@ -156,26 +203,17 @@ def cmd_chat(args) -> int:
             messages = []
             continue
         messages.append({"role": "user", "content": question})
-        answer = ""
-        stats = None
+        printer = AnswerPrinter(engine.lm.tokenizer, args.verbose)
         try:
             for event in engine.chat(messages, method=args.method, params=params):
-                if event.kind == "token" and event.thread_id == 0:
-                    answer += event.text
-                    sys.stdout.write(event.text)
-                    sys.stdout.flush()
-                elif event.kind == "done":
-                    stats = event.stats
+                printer.feed(event)
         except KeyboardInterrupt:
             print("\n[stopped]", file=sys.stderr)
         except UserError as exc:  # e.g. the conversation outgrew the context window
             print(f"\nerror: {exc}", file=sys.stderr)
             messages.pop()
             continue
-        print()
-        if stats and args.verbose:
-            print(stats.summary(), file=sys.stderr)
-        messages.append({"role": "assistant", "content": answer})
+        messages.append({"role": "assistant", "content": printer.text})
 
 
 def _comma_list(text: str, kind=str) -> List:
@@ -204,7 +242,8 @@ def cmd_bench(args) -> int:
         apar_grid["max_depth"] = [_nonnegative_int(v, "--max-depth") for v in _comma_list(args.max_depth)]
     configs = expand_configs(methods, {"redrafter": redrafter_grid, "apar": apar_grid})
     prompts = load_prompts(args.prompts, limit=args.limit,
-                           categories=_comma_list(args.categories) if args.categories else None)
+                           categories=_comma_list(args.categories) if args.categories else None,
+                           shapes=_comma_list(args.shapes) if args.shapes else None)
     if args.format not in ("md", "json", "csv"):
         raise UserError(f"unknown format {args.format!r} (choose md, json or csv)")
     if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg", ".pdf"):
@@ -369,6 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FastChat question file (JSON lines) or text file, one prompt a line "
                         "(default: benchmarks/prompts.jsonl)")
     p.add_argument("--categories", default=None, help="comma list of categories to keep")
+    p.add_argument("--shapes", default=None,
+                   help="comma list of answer shapes to keep (list, paragraphs, code, math); with "
+                        "--categories, a prompt is kept if it matches either")
     p.add_argument("--limit", type=int, default=None, help="use the first K prompts")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per answer (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=1, help="repeat the whole run R times (default: 1)")

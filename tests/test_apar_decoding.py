@@ -320,3 +320,53 @@ def test_bench_rows_carry_the_whole_restored_answer_and_the_apar_figures():
         assert apar_row["flat_max_cached_tokens"] == apar_row["prompt_tokens"] + apar_row["answer_tokens"]
         assert apar_row["identical_to_ar"]  # no forks allowed: plain greedy decoding of the same model
     assert "threads" not in rows[("ar", "1")]
+
+
+def test_bench_scores_every_answer_under_the_original_model_for_the_quality_guard():
+    from mlx_specdec.bench import MethodConfig, Prompt, render, run_bench
+
+    lm = make_apar_lm()
+    lm.tokenizer._tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    engine = Engine(lm)
+    prompts = [Prompt("1", "generic", "w5 w17 w42 w3"), Prompt("2", "coding", "w60 w61")]
+    result = run_bench(engine, prompts, [MethodConfig("ar"), MethodConfig("apar", {"max_depth": 0})],
+                       GenerationParams(max_tokens=10), progress=False)
+    for row in result["rows"]:
+        assert row["answer_nll"] > 0 and "_tokens" not in row
+    summary = {s["method"]: s for s in result["summary"]}
+    # no forks allowed: the same greedy answers, so the same scores and a guard ratio of exactly 1
+    assert summary["apar"]["nll_vs_ar"] == 1.0
+    assert summary["apar"]["forked_fraction"] == 0.0 and summary["apar"]["threads_mean"] == 1.0
+    assert "## Per category" in render(result, "md")
+
+
+def test_answer_nll_is_the_mean_teacher_forced_nll_of_the_answer():
+    from mlx_specdec.apar.quality import answer_nll
+
+    lm = make_apar_lm()
+    answer = [7, 30, 12, 55]
+    ids = PROMPT + answer
+    logits = lm.model(mx.array(ids)[None])[0].astype(mx.float32)  # mlx-lm's own call, causal
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    expected = -np.mean([logprobs[len(PROMPT) - 1 + i, t].item() for i, t in enumerate(answer)])
+    text = lm.tokenizer.decode(answer)
+    assert answer_nll(lm, PROMPT, text) == pytest.approx(expected, rel=1e-5)
+    assert np.isnan(answer_nll(lm, PROMPT, ""))
+
+
+def test_plain_printer_streams_one_thread_and_prints_the_restored_answer_after_forks(capsys):
+    from mlx_specdec.cli import AnswerPrinter
+    from mlx_specdec.decoding.base import Event
+
+    lm = make_apar_lm()
+    events = [Event("token", 0, None, [10], "w10"), Event("thread_start", 1, 0),
+              Event("token", 0, None, [11], " w11"), Event("token", 1, 0, [20], "w20"),
+              Event("thread_end", 1, 0), Event("token", 0, None, [12], " w12"), Event("done")]
+    printer = AnswerPrinter(lm.tokenizer, verbose=False)
+    for event in events[:3]:
+        printer.feed(event)
+    assert capsys.readouterr().out == "w10"  # a child is live: the parent's later text waits for it
+    for event in events[3:]:
+        printer.feed(event)
+    out = capsys.readouterr().out
+    assert printer.text == lm.tokenizer.decode([10, 20, 11, 12]) and out.strip() == printer.text[3:].strip()

@@ -67,3 +67,27 @@ def test_per_category_pools_tokens_and_times():
     assert table[("redrafter", "writing")]["speedup_vs_ar"] == pytest.approx(0.5)
     assert table[("redrafter", "all")]["speedup_vs_ar"] == pytest.approx(3.0 / 4.5)
     assert table[("ar", "all")]["decode_tps"] == pytest.approx(30 / 3.0)
+
+
+def test_bench_prompts_filter_by_shape_or_category():
+    from mlx_specdec.bench import DEFAULT_PROMPTS, load_prompts
+
+    lists = load_prompts(DEFAULT_PROMPTS, shapes=["list"])
+    assert lists and all(p.shape == "list" for p in lists)
+    mixed = load_prompts(DEFAULT_PROMPTS, shapes=["list"], categories=["coding", "math"])
+    assert {p.shape for p in mixed} == {"list", "code", "math"}
+    assert len(mixed) == len(lists) + len(load_prompts(DEFAULT_PROMPTS, categories=["coding", "math"]))
+
+
+def test_speedup_compares_tokens_per_second_when_answers_differ():
+    from mlx_specdec.bench import per_category
+
+    def row(method, tokens, seconds):
+        return {"method": method, "config": "-", "prompt_id": "1", "category": "generic", "repeat": 0,
+                "new_tokens": tokens, "decode_s": seconds}
+
+    # apar writes its own (longer) answer: 41 tokens in 2 s against ar's 21 in 2 s is 2x the speed
+    result = {"summary": [{"method": "ar", "config": "-"}, {"method": "apar", "config": "-"}],
+              "rows": [row("ar", 21, 2.0), row("apar", 41, 2.0)]}
+    table = {t["method"]: t for t in per_category(result)}
+    assert table["apar"]["speedup_vs_ar"] == pytest.approx(2.0)

@@ -133,7 +133,8 @@ def engine_decoder(engine) -> Optional[Callable[[List[int]], str]]:
     return getattr(tokenizer, "decode", None)
 
 
-def real_loader(model: str = "default", dtype: str = "auto", drafter: Optional[str] = "auto") -> Loader:
+def real_loader(model: str = "default", dtype: str = "auto", drafter: Optional[str] = "auto",
+                apar_adapter: Optional[str] = "auto") -> Loader:
     """Load the engine in stages (fetch/convert the default model once, then load weights)."""
 
     def load(progress: Callable[[str, int, int], None]):
@@ -147,7 +148,7 @@ def real_loader(model: str = "default", dtype: str = "auto", drafter: Optional[s
                 progress("downloading and converting the default model (once, 93 MB)", 0, 4)
             ensure_default_model(variant, quiet=True)
         progress(f"loading {model} weights", 1, 4)
-        return Engine.load(model, dtype=dtype, drafter=drafter)
+        return Engine.load(model, dtype=dtype, drafter=drafter, apar_adapter=apar_adapter)
 
     return load
 
