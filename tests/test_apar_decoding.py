@@ -370,3 +370,27 @@ def test_plain_printer_streams_one_thread_and_prints_the_restored_answer_after_f
         printer.feed(event)
     out = capsys.readouterr().out
     assert printer.text == lm.tokenizer.decode([10, 20, 11, 12]) and out.strip() == printer.text[3:].strip()
+
+
+@pytest.mark.parametrize("seed,boost", [(1, 2.0), (2, 2.0), (3, 1.5), (3, 2.0)])
+def test_speculated_next_steps_change_nothing(seed, boost):
+    """The pipelined loop (next step queued on the guess that nobody forks or ends, dropped when
+    the guess fails) writes exactly the threads of the step-by-step loop. A random model with its
+    [Fork] and EOS rows scaled up forks and ends threads on its own, many times per answer."""
+    lm = make_apar_lm(seed)
+    weight = mx.array(lm.model.lm_head.weight)
+    weight[FORK] = weight[FORK] * boost
+    weight[EOS] = weight[EOS] * boost
+    lm.model.lm_head.weight = weight
+    runs = {}
+    for speculate in (False, True):
+        cache = ForkableKVCache.for_model(lm.model)
+        params = GenerationParams(max_tokens=120, options={"speculate": speculate})
+        events = list(stream_events(lm, list(PROMPT), apar, params, "apar", resources={"cache": cache}))
+        assert cache.paths == {} and cache.live_slots == 0  # every slot, queued ones too, released
+        runs[speculate] = events
+    strip = lambda events: [(e.kind, e.thread_id, e.parent_id, e.tokens) for e in events if e.kind != "done"]
+    assert strip(runs[True]) == strip(runs[False])
+    assert len(starts(runs[True])) >= 2
+    for key in ("decode_steps", "max_cached_tokens", "attended_tokens_mean", "threads"):
+        assert runs[True][-1].stats.extra[key] == runs[False][-1].stats.extra[key], key

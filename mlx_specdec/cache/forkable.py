@@ -119,6 +119,15 @@ class ForkableKVCache:
             mask[row, visible] = True
         return mx.array(positions, dtype=mx.int32)[None], mx.array(mask)[None, None]
 
+    def undo_step(self, thread_ids: Sequence[int]) -> None:
+        """Take back the last `begin_step(thread_ids)`: each thread drops its newest slot and the
+        slot is free again (what was written there is never visible: no path holds it)."""
+        for tid in reversed(thread_ids):
+            slot = self.paths[tid].pop()
+            self.refcount[slot] -= 1
+            if self.refcount[slot] == 0:
+                self.free_slots.append(slot)
+
     def _allocate(self) -> int:
         if self.free_slots:
             return self.free_slots.pop()

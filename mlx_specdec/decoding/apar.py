@@ -22,7 +22,10 @@ so it sits exactly where the child's text belongs in the parent's stream; `threa
 thread samples EOS. Control tokens and EOS are never emitted as tokens. The whole answer is the
 tree restored by traversal: `mlx_specdec.apar.restore_answer(events, tokenizer)`.
 
-One host sync per step: the sampled tokens (every fork/finish decision needs them).
+One host sync per step: the sampled tokens (every fork/finish decision needs them). While the
+host waits for them, the next step is already queued (`mx.async_eval`) on the guess that no thread
+forks or ends; when one does, the queued step is dropped (`ForkableKVCache.undo_step`) and rebuilt.
+Option `speculate=False` turns this off; the output is the same either way (tested).
 """
 
 from __future__ import annotations
@@ -114,27 +117,52 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
             flat_attended_tokens_mean=round(P + T / 2, 2),
         )
 
+    def build_step(order: List[int], tokens: mx.array, fork_allowed: List[bool]) -> mx.array:
+        """The lazy graph of one step: every thread in `order` feeds its token; returns the
+        sampled tokens (N,). Allocates each row's slot in the cache now (host bookkeeping)."""
+        positions, mask = cache.begin_step(order)
+        logits = forward(model, tokens[None], cache, positions=positions, mask=mask, logits_for="all").logits[0]
+        if processor is not None:
+            logits = processor(order, logits)  # (N, V)
+        logits = _apply_rules(logits, control, fork_allowed)
+        if greedy:
+            return mx.argmax(logits, axis=-1)
+        return ctx.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+    # Speculating the next step (pipelining, as `ar` does): while the host waits for this step's
+    # tokens, the next step is already queued, built on the guess that no thread forks or ends
+    # (true on most steps). If one did, the queued step is dropped and its slots released. A
+    # stateful logits processor (the tests' script) would see the dropped step: no speculation then.
+    speculate = bool(options.get("speculate", True)) and processor is None
+    queued = None  # (order, chosen) of a step built before the previous step's tokens were read
     try:
         while threads:
-            order = list(threads)  # live thread ids; row r of this step is thread order[r]
-            positions, mask = cache.begin_step(order)
-            tokens = mx.array([threads[t].pending for t in order])[None]  # (1, N)
-            logits = forward(model, tokens, cache, positions=positions, mask=mask, logits_for="all").logits[0]
-            if processor is not None:
-                logits = processor(order, logits)  # (N, V)
-            logits = _apply_rules(logits, control, _fork_allowed(threads, order, max_threads, max_depth))
-            if greedy:
-                chosen = mx.argmax(logits, axis=-1)
+            if queued is not None:
+                order, chosen = queued
             else:
-                chosen = ctx.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-            values = chosen.tolist()  # host sync (one per step): forks and finishes need the tokens
+                order = list(threads)  # live thread ids; row r of this step is thread order[r]
+                tokens = mx.array([threads[t].pending for t in order])
+                chosen = build_step(order, tokens, _fork_allowed(threads, order, max_threads, max_depth))
+            queued = None
 
-            stats.forward_passes += 1
             figures["steps"] += 1
             figures["rows"] += len(order)
             figures["attended"] += sum(cache.length(t) for t in order)  # each row sees its whole path
             figures["max_cached"] = max(figures["max_cached"], cache.live_slots)
             figures["max_live"] = max(figures["max_live"], len(order))
+
+            if speculate and not any(threads[t].fork_child is not None for t in order):
+                # The guess: every thread feeds what it samples now, none of it [Fork] or EOS, so
+                # no thread has just fed a control token and the fork rules are the steady ones.
+                steady = [_Thread(t, None, threads[t].depth, 0, False) for t in order]
+                rules = _fork_allowed({t.id: t for t in steady}, order, max_threads, max_depth)
+                queued = (order, build_step(order, chosen, rules))
+                mx.async_eval(queued[1])
+            values = chosen.tolist()  # host sync (one per step), overlapped with the queued step
+            stats.forward_passes += 1
+            if queued is not None and any(v in eos or v == control.fork for v in values):
+                cache.undo_step(order)  # the guess failed: drop the queued step
+                queued = None
 
             # [Fork]s fed in this step are in the cache now: their children share the parent's path.
             for t in order:
@@ -162,6 +190,8 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
             report()
     finally:
         report()
+        if queued is not None:
+            mx.eval(queued[1])  # settle the queued step before its cache is released
         for t in list(cache.paths):  # the stream may stop mid-answer: release every thread
             cache.free_thread(t)
 
