@@ -62,7 +62,7 @@ EXTRA_FIELDS = ["steps", "compression", "acceptance_per_position", "tree_tokens_
                 # apar: the answer's tree, and the same answer flattened and decoded sequentially
                 "threads", "forked", "max_live_threads", "decode_steps", "max_cached_tokens",
                 "attended_tokens_mean", "answer_tokens", "control_tokens", "flat_decode_steps",
-                "flat_max_cached_tokens", "flat_attended_tokens_mean"]
+                "flat_max_cached_tokens", "flat_attended_tokens_mean", "dropped_steps"]
 
 
 @dataclass
@@ -306,10 +306,11 @@ def _apar_summary(mine: List[dict], rows: List[dict]) -> dict:
     if nll is not None:
         out["answer_nll"] = round(nll, 4)
         ar = _ar_rows(rows)
-        ar_nll = _mean([ar[(r["prompt_id"], r["repeat"])].get("answer_nll") for r in mine
-                        if (r["prompt_id"], r["repeat"]) in ar and r.get("answer_nll") is not None])
-        if ar_nll:
-            out["nll_vs_ar"] = round(nll / ar_nll, 3)
+        pairs = [(r["answer_nll"], ar[(r["prompt_id"], r["repeat"])].get("answer_nll")) for r in mine
+                 if r.get("answer_nll") is not None and (r["prompt_id"], r["repeat"]) in ar]
+        pairs = [(mine_nll, ar_nll) for mine_nll, ar_nll in pairs if ar_nll is not None]
+        if pairs and sum(a for _, a in pairs):  # both means over the same prompts
+            out["nll_vs_ar"] = round(sum(m for m, _ in pairs) / sum(a for _, a in pairs), 3)
     return out
 
 

@@ -119,55 +119,78 @@ def cmd_generate(args) -> int:
         raise UserError("empty prompt")
     engine = _load_engine(args)
     events = engine.generate(prompt, method=args.method, params=params, chat_template=not args.raw)
-    _print_answer(engine, events, verbose=True)
+    _print_answer(engine, events, verbose=True, method=args.method)
     return 0
 
 
 class AnswerPrinter:
-    """Streams an answer to stdout; `text` is what was printed so far (kept if Ctrl-C stops it).
+    """Streams an answer to stdout; `text` is the answer so far (kept if Ctrl-C stops it).
 
-    One thread streams as it is written. APAR's threads write their paragraphs at the same time,
-    so while any forked thread is live only a thread count is shown (stderr), and the restored
-    answer (the tree read in order) is printed each time every forked thread has finished."""
+    One thread streams its text deltas as they come. APAR (`restore=True`) writes several
+    paragraphs at once, so its answer is the tree read in order (`restore_answer`): printed each
+    time no forked thread is live (what is restored then is final), with a live thread count on
+    stderr meanwhile. `finish()` prints whatever is restored, unfinished threads included."""
 
-    def __init__(self, tokenizer, verbose: bool):
-        self.tokenizer, self.verbose = tokenizer, verbose
+    def __init__(self, tokenizer, verbose: bool, restore: bool = False):
+        self.tokenizer, self.verbose, self.restore = tokenizer, verbose, restore
         self.seen: list = []
         self.live: set = set()
-        self.forked = False
+        self.status_shown = False
         self.text = ""
 
     def feed(self, event) -> None:
-        from .apar.tree import restore_answer
-
         self.seen.append(event)
         if event.kind == "thread_start":
             self.live.add(event.thread_id)
-            self.forked = True
         elif event.kind == "thread_end":
             self.live.discard(event.thread_id)
-        if event.kind == "token" and not self.forked:
-            self._write(self.text + event.text)
-        elif self.forked and (event.kind == "done" or not self.live):
-            self._write(restore_answer(self.seen, self.tokenizer))
-        elif event.kind == "token" and sys.stderr.isatty():
-            print(f"\r[{len(self.live) + 1} threads writing]", end="", file=sys.stderr, flush=True)
         if event.kind == "done":
-            sys.stdout.write("\n")
+            self.finish()
             if self.verbose:
                 print(event.stats.summary(), file=sys.stderr)
+        elif not self.restore:
+            if event.kind == "token":
+                self._write(self.text + event.text)
+        elif not self.live:
+            self._write(self._restored())
+        elif event.kind == "token" and sys.stderr.isatty():
+            print(f"\r[{len(self.live) + 1} threads writing]", end="", file=sys.stderr, flush=True)
+            self.status_shown = True
 
-    def _write(self, text: str) -> None:
-        if text.startswith(self.text):  # a restored answer only grows once its threads are done
+    def finish(self) -> None:
+        """The end of the answer (done, or stopped): print what is left, then a newline."""
+        if self.restore:
+            self._write(self._restored(), final=True)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+    def _restored(self) -> str:
+        from .apar.tree import restore_answer
+
+        return restore_answer(self.seen, self.tokenizer)
+
+    def _write(self, text: str, final: bool = False) -> None:
+        if not final:
+            text = text.rstrip("\ufffd")  # a character whose bytes are not all decoded yet
+        if self.status_shown:
+            print("\r" + " " * 24 + "\r", end="", file=sys.stderr, flush=True)
+            self.status_shown = False
+        # The decoded prefix of an answer is normally a prefix of the whole; if a detokeniser
+        # ever disagrees, keep printing (the screen may differ by a character, the text never).
+        if len(text) > len(self.text):
             sys.stdout.write(text[len(self.text):])
             sys.stdout.flush()
-            self.text = text
+        self.text = text
 
 
-def _print_answer(engine, events, verbose: bool) -> str:
-    printer = AnswerPrinter(engine.lm.tokenizer, verbose)
-    for event in events:
-        printer.feed(event)
+def _print_answer(engine, events, verbose: bool, method: str) -> str:
+    printer = AnswerPrinter(engine.lm.tokenizer, verbose, restore=method == "apar")
+    try:
+        for event in events:
+            printer.feed(event)
+    except KeyboardInterrupt:
+        printer.finish()  # what was written stays on screen, unfinished APAR threads included
+        raise
     return printer.text
 
 
@@ -203,12 +226,13 @@ def cmd_chat(args) -> int:
             messages = []
             continue
         messages.append({"role": "user", "content": question})
-        printer = AnswerPrinter(engine.lm.tokenizer, args.verbose)
+        printer = AnswerPrinter(engine.lm.tokenizer, args.verbose, restore=args.method == "apar")
         try:
             for event in engine.chat(messages, method=args.method, params=params):
                 printer.feed(event)
         except KeyboardInterrupt:
-            print("\n[stopped]", file=sys.stderr)
+            printer.finish()  # APAR: the unfinished threads' text too
+            print("[stopped]", file=sys.stderr)
         except UserError as exc:  # e.g. the conversation outgrew the context window
             print(f"\nerror: {exc}", file=sys.stderr)
             messages.pop()

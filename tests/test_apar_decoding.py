@@ -354,7 +354,7 @@ def test_answer_nll_is_the_mean_teacher_forced_nll_of_the_answer():
     assert np.isnan(answer_nll(lm, PROMPT, ""))
 
 
-def test_plain_printer_streams_one_thread_and_prints_the_restored_answer_after_forks(capsys):
+def test_plain_printer_prints_apars_restored_answer_and_keeps_unfinished_threads(capsys):
     from mlx_specdec.cli import AnswerPrinter
     from mlx_specdec.decoding.base import Event
 
@@ -362,14 +362,20 @@ def test_plain_printer_streams_one_thread_and_prints_the_restored_answer_after_f
     events = [Event("token", 0, None, [10], "w10"), Event("thread_start", 1, 0),
               Event("token", 0, None, [11], " w11"), Event("token", 1, 0, [20], "w20"),
               Event("thread_end", 1, 0), Event("token", 0, None, [12], " w12"), Event("done")]
-    printer = AnswerPrinter(lm.tokenizer, verbose=False)
-    for event in events[:3]:
+    printer = AnswerPrinter(lm.tokenizer, verbose=False, restore=True)
+    for event in events[:4]:
         printer.feed(event)
     assert capsys.readouterr().out == "w10"  # a child is live: the parent's later text waits for it
-    for event in events[3:]:
+    for event in events[4:]:
         printer.feed(event)
-    out = capsys.readouterr().out
-    assert printer.text == lm.tokenizer.decode([10, 20, 11, 12]) and out.strip() == printer.text[3:].strip()
+    assert printer.text == lm.tokenizer.decode([10, 20, 11, 12])
+    assert capsys.readouterr().out == printer.text[len("w10"):] + "\n"
+
+    stopped = AnswerPrinter(lm.tokenizer, verbose=False, restore=True)
+    for event in events[:4]:  # Ctrl-C while thread 1 is still writing
+        stopped.feed(event)
+    stopped.finish()
+    assert stopped.text == lm.tokenizer.decode([10, 20, 11])
 
 
 @pytest.mark.parametrize("seed,boost", [(1, 2.0), (2, 2.0), (3, 1.5), (3, 2.0)])

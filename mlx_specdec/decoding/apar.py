@@ -25,7 +25,10 @@ tree restored by traversal: `mlx_specdec.apar.restore_answer(events, tokenizer)`
 One host sync per step: the sampled tokens (every fork/finish decision needs them). While the
 host waits for them, the next step is already queued (`mx.async_eval`) on the guess that no thread
 forks or ends; when one does, the queued step is dropped (`ForkableKVCache.undo_step`) and rebuilt.
-Option `speculate=False` turns this off; the output is the same either way (tested).
+Option `speculate=False` turns this off. Greedy output is the same either way (tested); when
+sampling, a dropped step has used up one random draw, so a seeded run differs from one without
+speculation (each is still a sample of the model). Dropped steps ran a full forward: they count
+in `forward_passes` and are reported as `dropped_steps`.
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
     threads: Dict[int, _Thread] = {0: _Thread(0, None, 0, prompt[-1], False)}
     next_id = 1
     figures = {"steps": 0, "rows": 0, "attended": 0, "max_cached": cache.live_slots, "max_live": 1,
-               "answer_tokens": 0, "control_tokens": 0}
+               "answer_tokens": 0, "control_tokens": 0, "dropped": 0}
 
     def report() -> None:
         P, T = len(prompt), figures["answer_tokens"]
@@ -111,6 +114,7 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
             attended_tokens_mean=round(figures["attended"] / max(figures["rows"], 1), 2),
             answer_tokens=T,
             control_tokens=figures["control_tokens"],
+            dropped_steps=figures["dropped"],
             # the same answer flattened and decoded sequentially: T tokens then EOS after P prompt tokens
             flat_decode_steps=T + 1,
             flat_max_cached_tokens=P + T,
@@ -163,6 +167,8 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
             if queued is not None and any(v in eos or v == control.fork for v in values):
                 cache.undo_step(order)  # the guess failed: drop the queued step
                 queued = None
+                stats.forward_passes += 1  # it ran all the same
+                figures["dropped"] += 1
 
             # [Fork]s fed in this step are in the cache now: their children share the parent's path.
             for t in order:
@@ -190,10 +196,10 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
             report()
     finally:
         report()
-        if queued is not None:
-            mx.eval(queued[1])  # settle the queued step before its cache is released
         for t in list(cache.paths):  # the stream may stop mid-answer: release every thread
             cache.free_thread(t)
+        if queued is not None:
+            mx.eval(queued[1])  # settle the queued step, so it does not run into whatever is next
 
 
 def _fork_allowed(threads: Dict[int, _Thread], order: List[int], max_threads: int, max_depth: int) -> List[bool]:
