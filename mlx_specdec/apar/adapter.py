@@ -111,6 +111,7 @@ class ExtendedEmbedding(nn.Module):
         self.base_vocab = int(base.weight.shape[0])
 
     def __call__(self, ids: mx.array) -> mx.array:
+        ids = ids.astype(mx.int32)  # unsigned ids (argmax's uint32) would wrap below base_vocab
         inside = ids < self.base_vocab
         rows = self.base(mx.where(inside, ids, 0))
         added = self.extra[mx.maximum(ids - self.base_vocab, 0)].astype(rows.dtype)

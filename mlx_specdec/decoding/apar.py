@@ -130,8 +130,10 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
             logits = processor(order, logits)  # (N, V)
         logits = _apply_rules(logits, control, fork_allowed)
         if greedy:
-            return mx.argmax(logits, axis=-1)
-        return ctx.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+            chosen = mx.argmax(logits, axis=-1)
+        else:
+            chosen = ctx.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        return chosen.astype(mx.int32)  # argmax gives uint32; the next step feeds these as ids
 
     # Speculating the next step (pipelining, as `ar` does): while the host waits for this step's
     # tokens, the next step is already queued, built on the guess that no thread forks or ends
