@@ -4,6 +4,8 @@
    capture-pane; it matches the saved row; Ctrl+Q exits with status 0.
 2. Ask for a long answer, `kill -9` the app mid-answer, start it again: the partial answer that
    was on screen is shown again (marked interrupted).
+3. APAR with the shipped adapter: a list question forks; the saved (restored) answer is exactly
+   the engine's own restored answer for the same question, and it is what the screen shows.
 
 Marked slow (the real model); skipped cleanly where tmux is absent. About a minute on 2 CPU cores.
 """
@@ -50,7 +52,7 @@ def wait_screen(session: str, pattern: str, timeout: float) -> str:
     raise AssertionError(f"{pattern!r} not on screen after {timeout:.0f}s:\n{screen}")
 
 
-def start_app(session: str, data: Path, max_tokens: int) -> Path:
+def start_app(session: str, data: Path, max_tokens: int, method: str = "ar") -> Path:
     """Start the app in a detached tmux session; returns the file its exit status goes to."""
     env = {"MLX_SPECDEC_DATA": str(data), "TERM": "xterm-256color", "COLORTERM": "truecolor"}
     if os.environ.get("MLX_SPECDEC_HOME"):
@@ -58,7 +60,7 @@ def start_app(session: str, data: Path, max_tokens: int) -> Path:
     assignments = " ".join(f"{k}={v}" for k, v in env.items())
     status = data / f"exit-{time.time_ns()}"
     command = (f"env {assignments} {sys.executable} -m mlx_specdec.cli chat "
-               f"--max-tokens {max_tokens}; echo $? > {status}")
+               f"--max-tokens {max_tokens} --method {method}; echo $? > {status}")
     data.mkdir(parents=True, exist_ok=True)
     tmux("new-session", "-d", "-s", session, "-x", str(WIDTH), "-y", str(HEIGHT), command)
     return status
@@ -172,3 +174,30 @@ def test_chat_app_in_tmux_streams_and_survives_kill_9(tmp_path, session):
     assert squash(restored) == squash(saved["content"])
     assert rows(db)[-1]["status"] == "interrupted"
     assert "Write a long story about a dragon" in screen_after
+
+
+def test_apar_answer_in_tmux_is_the_engines_restored_answer(tmp_path, session):
+    from mlx_specdec.apar import restore_answer
+    from mlx_specdec.decoding import GenerationParams
+    from mlx_specdec.engine import Engine
+
+    question, max_tokens = "Give me 5 tips for staying healthy.", 120
+    data = tmp_path / "data"
+    start_app(session, data, max_tokens=max_tokens, method="apar")
+    wait_screen(session, r"ready: ", timeout=300)
+    tmux("send-keys", "-t", session, "C-b")
+    tmux("send-keys", "-t", session, "-l", question)
+    tmux("send-keys", "-t", session, "Enter")
+    screen = wait_screen(session, r"APAR done", timeout=180)
+    print("\n--- screen after the APAR answer ---\n" + screen)
+    saved = rows(data / "chats.sqlite3")[-1]
+    assert saved["role"] == "assistant" and saved["status"] == "done"
+
+    engine = Engine.load("default")
+    events = list(engine.generate(question, "apar", GenerationParams(max_tokens=max_tokens)))
+    assert any(e.kind == "thread_start" for e in events)  # it forked
+    want = restore_answer(events, engine.apar_lm.tokenizer)
+    assert saved["content"].strip() == want.strip()
+    drawn = [re.sub(r"[│┃▍▌▐▔▁]", "", line).strip() for line in screen.splitlines()]
+    drawn = [line for line in drawn if len(line) > 20]
+    assert sum(squash(line) in squash(want) for line in drawn) >= 2, screen  # the answer is on screen
