@@ -304,7 +304,8 @@ def test_control_tokens_found_by_name_and_missing_ones_refused():
         list(Engine(plain).generate_ids(PROMPT, "apar", GenerationParams(max_tokens=4)))
 
 
-def test_bench_rows_carry_the_whole_restored_answer_and_the_apar_figures():
+def bench_tiny_ar_and_apar():
+    """ar and apar (forking off) in `run_bench` on two prompts of the tiny APAR model."""
     from mlx_specdec.bench import MethodConfig, Prompt, run_bench
 
     lm = make_apar_lm()
@@ -313,6 +314,11 @@ def test_bench_rows_carry_the_whole_restored_answer_and_the_apar_figures():
     prompts = [Prompt("1", "generic", "w5 w17 w42 w3"), Prompt("2", "coding", "w60 w61")]
     result = run_bench(engine, prompts, [MethodConfig("ar"), MethodConfig("apar", {"max_depth": 0})],
                        GenerationParams(max_tokens=10), progress=False)
+    return result
+
+
+def test_bench_rows_carry_the_whole_restored_answer_and_the_apar_figures():
+    result = bench_tiny_ar_and_apar()
     rows = {(r["method"], r["prompt_id"]): r for r in result["rows"]}
     for pid in ("1", "2"):
         apar_row = rows[("apar", pid)]
@@ -323,14 +329,9 @@ def test_bench_rows_carry_the_whole_restored_answer_and_the_apar_figures():
 
 
 def test_bench_scores_every_answer_under_the_original_model_for_the_quality_guard():
-    from mlx_specdec.bench import MethodConfig, Prompt, render, run_bench
+    from mlx_specdec.bench import render
 
-    lm = make_apar_lm()
-    lm.tokenizer._tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    engine = Engine(lm)
-    prompts = [Prompt("1", "generic", "w5 w17 w42 w3"), Prompt("2", "coding", "w60 w61")]
-    result = run_bench(engine, prompts, [MethodConfig("ar"), MethodConfig("apar", {"max_depth": 0})],
-                       GenerationParams(max_tokens=10), progress=False)
+    result = bench_tiny_ar_and_apar()
     for row in result["rows"]:
         assert row["answer_nll"] > 0 and "_tokens" not in row
     summary = {s["method"]: s for s in result["summary"]}
