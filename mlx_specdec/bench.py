@@ -306,9 +306,9 @@ def _apar_summary(mine: List[dict], rows: List[dict]) -> dict:
     if nll is not None:
         out["answer_nll"] = round(nll, 4)
         ar = _ar_rows(rows)
-        pairs = [(r["answer_nll"], ar[(r["prompt_id"], r["repeat"])].get("answer_nll")) for r in mine
-                 if r.get("answer_nll") is not None and (r["prompt_id"], r["repeat"]) in ar]
-        pairs = [(mine_nll, ar_nll) for mine_nll, ar_nll in pairs if ar_nll is not None]
+        pairs = [(r["answer_nll"], ar[key]["answer_nll"]) for r in mine
+                 if r.get("answer_nll") is not None and (key := (r["prompt_id"], r["repeat"])) in ar
+                 and ar[key].get("answer_nll") is not None]
         if pairs and sum(a for _, a in pairs):  # both means over the same prompts
             out["nll_vs_ar"] = round(sum(m for m, _ in pairs) / sum(a for _, a in pairs), 3)
     return out

@@ -104,9 +104,14 @@ def _load_engine(args):
     from .engine import Engine
 
     print(f"Loading {args.model}...", file=sys.stderr, flush=True)
-    adapter = getattr(args, "apar_adapter", "auto")
     return Engine.load(args.model, dtype=args.dtype, drafter=getattr(args, "drafter", "auto"),
-                       apar_adapter=None if adapter == "none" else adapter)
+                       apar_adapter=apar_adapter_spec(args))
+
+
+def apar_adapter_spec(args) -> Optional[str]:
+    """--apar-adapter as Engine.load takes it: 'auto', a directory, or None for 'none'."""
+    adapter = getattr(args, "apar_adapter", "auto")
+    return None if adapter == "none" else adapter
 
 
 def cmd_generate(args) -> int:
