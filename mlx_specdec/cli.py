@@ -369,8 +369,10 @@ def cmd_train_apar(args) -> int:
             raise UserError(f"--{flag.replace('_', '-')} must be positive")
     if args.epochs <= 0 or args.lr <= 0 or args.rows_lr <= 0 or args.scale <= 0:
         raise UserError("--epochs, --lr, --rows-lr and --scale must be positive")
-    if args.negative_ratio < 0:
-        raise UserError("--negative-ratio must be >= 0")
+    if args.negative_ratio < 0 or args.kl_weight < 0:
+        raise UserError("--negative-ratio and --kl-weight must be >= 0")
+    if args.init_adapter and not (Path(args.init_adapter) / "adapter_config.json").exists():
+        raise UserError(f"--init-adapter {args.init_adapter}: no APAR adapter there")
     if args.layout not in ("tree", "streams"):
         raise UserError("--layout is tree or streams")
     prompts = [Path(p) for p in _comma_list(args.prompts)]
@@ -386,7 +388,8 @@ def cmd_train_apar(args) -> int:
                           rows_lr=args.rows_lr, epochs=args.epochs, tokens_per_batch=args.tokens_per_batch,
                           negative_ratio=args.negative_ratio, layout=args.layout, seed=args.seed,
                           checkpoint_every=args.checkpoint_every, max_steps=args.max_steps,
-                          compile=args.compile)
+                          compile=args.compile, kl_weight=args.kl_weight,
+                          init_adapter=str(Path(args.init_adapter).resolve()) if args.init_adapter else None)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     run_train_apar(engine.lm, prompts, data_dir, Path(args.output), ckpt, cfg, log=log)
     return 0
@@ -519,6 +522,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints (default: %(default)s)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this step (resume later)")
     p.add_argument("--compile", action="store_true", help="mx.compile the training step")
+    p.add_argument("--kl-weight", type=float, default=0.0,
+                   help="> 0: only [Fork]/EOS decisions keep hard labels; the text learns the frozen base "
+                        "model's own distribution (this weight x KL), so answers stay the base's "
+                        "(default: %(default)s = cross-entropy everywhere)")
+    p.add_argument("--init-adapter", default=None,
+                   help="start from this adapter's weights (same --rank/--scale/--lora-layers)")
     p.set_defaults(func=cmd_train_apar)
 
     p = sub.add_parser("convert", help="convert a GGUF file or HF model into an MLX directory",
