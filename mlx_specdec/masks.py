@@ -6,7 +6,7 @@ All masks here are boolean, True = may attend, shaped to broadcast against
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -25,11 +25,12 @@ def _check_topological(parents: Sequence[int]) -> None:
             raise ValueError(f"tree is not in topological order: parent {p} of token {i}")
 
 
-def tree_mask_np(parents: Sequence[int]) -> np.ndarray:
+def tree_mask_np(parents: Sequence[int], hidden: Optional[np.ndarray] = None) -> np.ndarray:
     """(N, N) ancestor-or-self mask of a token tree in topological order.
 
     parents[i] is the index of token i's parent inside the tree (-1 for a root, which hangs off
-    the cached prefix). Row i is True at i and at every ancestor of i.
+    the cached prefix). Row i is True at i and at every ancestor of i. Tokens marked `hidden`
+    (N,) are seen by no other token (each still sees itself: no empty softmax row).
     """
     _check_topological(parents)
     n = len(parents)
@@ -38,15 +39,20 @@ def tree_mask_np(parents: Sequence[int]) -> np.ndarray:
         if p >= 0:
             mask[i] = mask[p]
         mask[i, i] = True
+    if hidden is not None:
+        mask[:, np.asarray(hidden, bool)] = False
+        mask[np.arange(n), np.arange(n)] = True
     return mask
 
 
-def tree_depths_np(parents: Sequence[int]) -> np.ndarray:
-    """Depth of each tree token (roots at 0): the offset of its position past the prefix."""
+def tree_depths_np(parents: Sequence[int], hidden: Optional[np.ndarray] = None) -> np.ndarray:
+    """Depth of each tree token (roots at 0): the offset of its position past the prefix.
+    `hidden` (N,) tokens take no position: a depth counts only the visible ancestors."""
     _check_topological(parents)
     depth = np.zeros(len(parents), dtype=np.int32)
     for i, p in enumerate(parents):
-        depth[i] = depth[p] + 1 if p >= 0 else 0
+        step = 0 if hidden is not None and hidden[p] else 1
+        depth[i] = depth[p] + step if p >= 0 else 0
     return depth
 
 

@@ -44,6 +44,20 @@ def test_tree_depths_are_path_lengths(parents):
     assert (masks.tree_mask_np(parents).sum(axis=1) - 1).tolist() == depths.tolist()
 
 
+@settings(max_examples=200, deadline=None)
+@given(trees(), st.data())
+def test_hidden_tokens_are_seen_by_no_one_and_take_no_position(parents, data):
+    """The APAR KL teacher's view: a path read without its control tokens."""
+    n = len(parents)
+    hidden = np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)), dtype=bool)
+    mask = masks.tree_mask_np(parents, hidden)
+    depths = masks.tree_depths_np(parents, hidden)
+    for i in range(n):
+        seen = {j for j in ancestors_or_self(parents, i) if not hidden[j]} | {i}
+        assert set(np.flatnonzero(mask[i]).tolist()) == seen
+        assert depths[i] == len([j for j in ancestors_or_self(parents, i) if j != i and not hidden[j]])
+
+
 @settings(max_examples=100, deadline=None)
 @given(trees(), st.integers(min_value=0, max_value=50))
 def test_prefix_tree_mask_and_positions(parents, prefix_len):

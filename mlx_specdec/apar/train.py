@@ -22,8 +22,10 @@ Layout (the measured choice, `--layout`):
 Loss (`--kl-weight`): with 0, cross-entropy on every target (the reference). With w > 0, only the
 control decisions keep hard labels: targets that are [Fork] or EOS, and the first token after a
 [Fork] or [Child]. Every other position learns the frozen base model's own next-token
-distribution in the same context (w x KL(base || adapted), base = the same forward with the LoRA
-scale at 0). Hard labels on the text teach the tuned model to write *the data* in contexts the
+distribution (w x KL(base || adapted), base = the same forward with the LoRA scale at 0), reading
+the thread's root path as plain text: the control tokens are hidden from it and take no position
+(`teacher_log_probs`), so a child's teacher is the base model continuing `... 4. Stay active:`.
+Hard labels on the text teach the tuned model to write *the data* in contexts the
 base never saw (a child without its siblings), which moved its greedy text away from the base's
 (measured: 85% argmax agreement on held-out answers after the first adapter); the KL term keeps
 the text the base model's while the hard labels teach where to fork and stop.
@@ -296,8 +298,11 @@ def make_batches(samples: Sequence[TreeSample], indices: Sequence[int], tokens_p
     return [batches[j] for j in rng.permutation(len(batches))]
 
 
-def collate(batch: Sequence[TreeSample]):
-    """(tokens (B, L), positions (B, L), mask (B, 1, L, L), rows (K,), cols (K,), targets (K,))."""
+def collate(batch: Sequence[TreeSample], hide_tokens: Sequence[int] = ()):
+    """(tokens (B, L), positions (B, L), mask (B, 1, L, L), rows (K,), cols (K,), targets (K,)).
+
+    hide_tokens: ids no other token sees and that take no position (the KL teacher's view:
+    the base model reads each thread's path as plain text, without [Fork]/[Child])."""
     L = _padded(max(len(s) for s in batch))
     B = len(batch)
     tokens = np.zeros((B, L), np.int32)
@@ -307,8 +312,9 @@ def collate(batch: Sequence[TreeSample]):
     for b, s in enumerate(batch):
         n = len(s)
         tokens[b, :n] = s.tokens
-        positions[b, :n] = masks.tree_depths_np(s.parents)
-        mask[b, 0, :n, :n] = masks.tree_mask_np(s.parents)
+        hidden = np.isin(s.tokens, hide_tokens) if len(hide_tokens) else None
+        positions[b, :n] = masks.tree_depths_np(s.parents, hidden)
+        mask[b, 0, :n, :n] = masks.tree_mask_np(s.parents, hidden)
         pads = np.arange(n, L)
         mask[b, 0, pads, pads] = True  # padding sees itself only: no empty softmax row
         where = np.nonzero(s.targets >= 0)[0]
@@ -489,7 +495,7 @@ def train_adapter(model: nn.Module, samples: Sequence[TreeSample], cfg: AparTrai
         while step < stop:
             batch = [samples[i] for i in batches[step]]
             arrays = collate(batch)
-            loss = train_step(*arrays, *_distillation_inputs(model, arrays, cfg, control, eos_ids))
+            loss = train_step(*arrays, *_distillation_inputs(model, batch, arrays, cfg, control, eos_ids))
             mx.eval(loss, model.trainable_parameters(), opt.state)
             step += 1
             result.steps = step
@@ -507,14 +513,22 @@ def train_adapter(model: nn.Module, samples: Sequence[TreeSample], cfg: AparTrai
     return result
 
 
-def _distillation_inputs(model, arrays, cfg: AparTrainConfig, control, eos_ids) -> tuple:
+def teacher_log_probs(model, batch: Sequence[TreeSample], arrays, control: ControlTokens) -> mx.array:
+    """The base model's (K, V0) log-probs for the batch's targets, each thread's path read as
+    plain text: [Fork]/[Child] hidden and taking no position. (Shown the control tokens, which it
+    never learned, the base model writes a child's detail about the wrong item.)"""
+    tokens, _, _, rows, cols, _ = arrays
+    _, positions, mask, *_ = collate(batch, hide_tokens=(control.fork, control.child))
+    return base_log_probs(model, tokens, positions, mask, rows, cols, min(control.fork, control.child))
+
+
+def _distillation_inputs(model, batch, arrays, cfg: AparTrainConfig, control, eos_ids) -> tuple:
     """(teacher, soft, kl_weight) for sequence_loss, or () for plain cross-entropy."""
     if cfg.kl_weight <= 0:
         return ()
-    tokens, positions, mask, rows, cols, targets = arrays
-    base_vocab = min(control.fork, control.child)
-    teacher = base_log_probs(model, tokens, positions, mask, rows, cols, base_vocab)  # host sync: a
-    # separate graph, so the LoRA scale can go back before the training step is built
+    tokens, _, _, rows, cols, targets = arrays
+    teacher = teacher_log_probs(model, batch, arrays, control)  # host sync: a separate graph, so
+    # the LoRA scale can go back before the training step is built
     return teacher, soft_positions(tokens, rows, cols, targets, control, eos_ids), cfg.kl_weight
 
 
@@ -534,13 +548,14 @@ def evaluate(model: nn.Module, samples: Sequence[TreeSample], control: ControlTo
     base_vocab = min(control.fork, control.child)
     for batch_idx in make_batches(samples, range(len(samples)), tokens_per_batch, rng):
         batch = [samples[i] for i in batch_idx]
-        tokens, positions, mask, rows, cols, targets = collate(batch)
+        arrays = collate(batch)
+        tokens, positions, mask, rows, cols, targets = arrays
         hidden = forward(model, tokens, None, positions=positions, mask=mask, logits_for="none").hidden
         logits = lm_head(model, hidden[rows, cols]).astype(mx.float32)
         ce = nn.losses.cross_entropy(logits, targets, reduction="none")
         guess = mx.argmax(logits, axis=-1)
         if eos_ids:
-            teacher = base_log_probs(model, tokens, positions, mask, rows, cols, base_vocab)
+            teacher = teacher_log_probs(model, batch, arrays, control)
             soft = np.array(soft_positions(tokens, rows, cols, targets, control, eos_ids))
             log_q = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             kl = np.array((mx.exp(teacher) * (teacher - log_q[:, :base_vocab])).sum(axis=-1))

@@ -1,0 +1,61 @@
+"""What a forward with more than one query token costs on this machine, against one token.
+
+    python benchmarks/forward_cost.py [--context 300] [--tokens 1,2,3,4,6,8,12,16]
+
+Speculative methods buy fewer forwards with wider ones: ReDrafter verifies a packed tree of T
+tokens in one row, APAR decodes T live threads as T rows of one token. Either only pays off if
+a T-token forward costs much less than T one-token forwards. Prints, for the default model
+after a `--context`-token prompt, the median time of one forward (with the vocabulary
+projection for every query token, as verification needs) for T tokens in one row and for T rows
+of one token each, and both as a multiple of the one-token forward. Run it on a quiet machine.
+"""
+
+import argparse
+
+import mlx_specdec  # noqa: F401  (preloads OpenBLAS before mlx)
+import mlx.core as mx
+
+from roofline import median_ms
+
+from mlx_specdec.cache import ContiguousKVCache
+from mlx_specdec.engine import Engine
+from mlx_specdec.model.forward import forward
+
+
+def forward_ms(model, rows: int, tokens: int, context: int, repeats: int) -> float:
+    cache = ContiguousKVCache.for_model(model)
+    prompt = mx.array([[1000 + (i * 7 + r) % 5000 for i in range(context)] for r in range(rows)])
+    forward(model, prompt, cache, logits_for="none")
+    mx.eval(cache.state)
+    query = mx.array([[5 + i for i in range(tokens)] for _ in range(rows)])
+
+    def step():
+        out = forward(model, query, cache, logits_for="all")
+        mx.eval(out.logits)
+        cache.trim(tokens)  # the next repeat sees the same context
+
+    return median_ms(step, repeats=repeats)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--context", type=int, default=300)
+    parser.add_argument("--tokens", default="1,2,3,4,6,8,12,16")
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    model = Engine.load("default").lm.model
+    counts = [int(t) for t in args.tokens.split(",")]
+    print(f"context {args.context} tokens; median of {args.repeats} forwards; mlx {mx.__version__}, "
+          f"{mx.default_device()}")
+    print("| T | T tokens in one row (ms) | x one token | T rows of one token (ms) | x one token |")
+    print("|---:|---:|---:|---:|---:|")
+    one = None
+    for t in counts:
+        row = forward_ms(model, 1, t, args.context, args.repeats)
+        rows = forward_ms(model, t, 1, args.context, args.repeats)
+        one = one or row
+        print(f"| {t} | {row:.1f} | {row / one:.2f} | {rows:.1f} | {rows / one:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
