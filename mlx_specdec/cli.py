@@ -373,8 +373,10 @@ def cmd_train_apar(args) -> int:
         raise UserError("--negative-ratio and --kl-weight must be >= 0")
     if args.init_adapter and not (Path(args.init_adapter) / "adapter_config.json").exists():
         raise UserError(f"--init-adapter {args.init_adapter}: no APAR adapter there")
-    if args.layout not in ("tree", "streams"):
-        raise UserError("--layout is tree or streams")
+    if args.layout not in ("tree", "streams", "skeleton"):
+        raise UserError("--layout is tree, streams or skeleton")
+    if args.layout == "skeleton" and (args.kl_weight > 0 or args.compile):
+        raise UserError("--layout skeleton trains without --kl-weight and --compile (the base text is not trained)")
     prompts = [Path(p) for p in _comma_list(args.prompts)]
     for prompt_file in prompts:
         if not prompt_file.exists():
@@ -506,7 +508,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training checkpoints (default: $MLX_SPECDEC_HOME/apar-checkpoints/<output name>)")
     p.add_argument("--layout", default="tree",
                    help="tree: one packed paragraph tree per answer under a tree mask; streams: one "
-                        "sequence per stream, loss masked up to [Child] (the reference) (default: %(default)s)")
+                        "sequence per stream, loss masked up to [Child] (the reference); skeleton: a skeleton "
+                        "adapter (LoRA only on a thread after it forks, children and unforked answers are the "
+                        "base model's text), trained on root streams only (default: %(default)s)")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank (default: %(default)s)")
     p.add_argument("--scale", type=float, default=20.0, help="LoRA scale (default: %(default)s)")
     p.add_argument("--lora-layers", type=int, default=-1, help="LoRA on the last N blocks; -1 = all (default)")

@@ -294,7 +294,9 @@ def test_train_apar_bad_input(tmp_path):
     result = cli("train-apar", "--kl-weight", "-1")
     assert result.returncode == 1 and "--kl-weight must be >= 0" in result.stderr
     result = cli("train-apar", "--layout", "zigzag")
-    assert result.returncode == 1 and "tree or streams" in result.stderr
+    assert result.returncode == 1 and "tree, streams or skeleton" in result.stderr
+    result = cli("train-apar", "--layout", "skeleton", "--kl-weight", "1")
+    assert result.returncode == 1 and "trains without --kl-weight" in result.stderr
     result = cli("train-apar", "--help")
     assert result.returncode == 0 and "usage: mlx-specdec train-apar" in result.stdout
     result = cli("generate", "-p", "hi", "--method", "apar", "--max-depth", "-1")

@@ -13,6 +13,18 @@ model's own weights never change:
   step costs what the base model's does) and the embedding extended. The tokenizer is a copy of
   the base tokenizer with the two tokens added; the base model and tokenizer are untouched, so
   `ar` keeps running the original model in the same process.
+
+Two modes (`AdapterConfig.mode`):
+
+- `full` (the paper's): LoRA on every token; the tuned model writes the whole answer.
+- `skeleton`: the LoRA update is gated per token (`GatedLoRALinear`, gate 0 or 1). It is on only
+  for the tokens of a thread that has forked ([Fork] and everything the thread writes after it:
+  the "skeleton" of next-sibling heads); everything else, the prompt, the text before the first
+  fork, every child's detail and every answer that never forks, is the base model's own forward.
+  The [Fork] decision is the new output row read off the base hidden state. With gate 0 on every
+  token the model IS the base model (its logits plus two control logits), so an answer that never
+  forks is the base model's greedy answer, token for token. LoRA stays unfused (a fused weight
+  cannot be switched per token); decoding skips the LoRA matmuls on steps where no token needs them.
 """
 
 from __future__ import annotations
@@ -63,6 +75,7 @@ class AdapterConfig:
     tied: bool
     lora: LoraSettings = field(default_factory=LoraSettings)
     convention: str = "project"
+    mode: str = "full"  # "full" | "skeleton" (see the module docstring)
     format: str = FORMAT
     version: int = 1
 
@@ -81,7 +94,7 @@ class AdapterConfig:
             "tokenizer_hash": self.tokenizer_hash, "base_vocab_size": self.base_vocab_size,
             "tied_embeddings": self.tied,
             "apar": {"convention": self.convention, "fork_token": self.fork_token,
-                     "child_token": self.child_token},
+                     "child_token": self.child_token, "mode": self.mode},
             # mlx-lm's adapter_config keys, so its tools can read the LoRA part
             "fine_tune_type": "lora", "num_layers": lora.num_layers,
             "lora_parameters": lora.mlx_lm_parameters(),
@@ -96,10 +109,64 @@ class AdapterConfig:
         return cls(base_model=data.get("base_model", ""), tokenizer_hash=data.get("tokenizer_hash", ""),
                    base_vocab_size=int(data["base_vocab_size"]), tied=bool(data.get("tied_embeddings", True)),
                    lora=lora, convention=data.get("apar", {}).get("convention", "project"),
+                   mode=_checked_mode(data.get("apar", {}).get("mode", "full")),
                    format=data.get("format", ""), version=int(data.get("version", 1)))
 
 
+MODES = ("full", "skeleton")
+
+
+def _checked_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"unknown APAR adapter mode {mode!r} (known: {', '.join(MODES)})")
+    return mode
+
+
 # -- modules -----------------------------------------------------------------------------------
+
+class LoraGate:
+    """Which tokens of the next forward get the LoRA update: `value` is None (no token: the layers
+    run the base linears only) or an array broadcastable to the activations' (B, L, 1), 1.0 or 0.0
+    per token. One object is shared by every gated layer of a model; whoever builds a forward sets
+    it first (MLX reads it when the graph is built, so changing it later does not touch that graph)."""
+
+    def __init__(self) -> None:
+        self.value: Optional[mx.array] = None
+
+
+def gate_lora_layers(model: nn.Module) -> LoraGate:
+    """Turn every mlx-lm `LoRALinear` of `model` into a `GatedLoRALinear` (same parameters, same
+    names) that reads one shared `LoraGate`, stored as `model.lora_gate`."""
+    from mlx_lm.tuner.lora import LoRALinear
+
+    gate = LoraGate()
+    for _, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            module.__class__ = GatedLoRALinear  # same fields; only __call__ differs
+            module.gate = gate
+    model.lora_gate = gate
+    return gate
+
+
+def _gated_lora_class():
+    from mlx_lm.tuner.lora import LoRALinear
+
+    class GatedLoRALinear(LoRALinear):
+        """mlx-lm's LoRALinear whose update is multiplied by a per-token gate (see `LoraGate`)."""
+
+        def __call__(self, x):
+            y = self.linear(x)
+            gate = self.gate.value
+            if gate is None:
+                return y  # no token needs the update: exactly the base linear
+            z = (self.dropout(x) @ self.lora_a) @ self.lora_b
+            return y + (self.scale * z * gate).astype(x.dtype)
+
+    return GatedLoRALinear
+
+
+GatedLoRALinear = _gated_lora_class()
+
 
 class ExtendedEmbedding(nn.Module):
     """A frozen base embedding (plain or quantized) plus `extra` rows appended after its vocabulary."""
@@ -206,7 +273,7 @@ def _check_vocab(lm: LoadedModel) -> int:
 # -- training --------------------------------------------------------------------------------
 
 def prepare_for_training(lm: LoadedModel, lora: LoraSettings, convention: str = "project",
-                         seed: int = 0):
+                         seed: int = 0, mode: str = "full"):
     """Turn `lm` (in place) into the trainable APAR model. Returns (adapted LoadedModel, config).
 
     Only the LoRA matrices and the new token rows are trainable."""
@@ -217,12 +284,15 @@ def prepare_for_training(lm: LoadedModel, lora: LoraSettings, convention: str = 
     model = lm.model
     tied = _is_tied(model)
     config = AdapterConfig(base_model=lm.name, tokenizer_hash=tokenizer_hash(lm.tokenizer),
-                           base_vocab_size=base_vocab, tied=tied, lora=lora, convention=convention)
+                           base_vocab_size=base_vocab, tied=tied, lora=lora, convention=convention,
+                           mode=_checked_mode(mode))
     rows_in, rows_out = _new_rows(model, seed=seed)
     model.freeze()
     layers = len(model.model.layers) if lora.num_layers < 0 else lora.num_layers
     mx.random.seed(seed)
     linear_to_lora_layers(model, layers, lora.mlx_lm_parameters())
+    if mode == "skeleton":
+        gate_lora_layers(model)
     model.model.embed_tokens = ExtendedEmbedding(model.model.embed_tokens, rows_in)
     model.model.embed_tokens.base.freeze()
     if not tied:
@@ -295,7 +365,9 @@ def load_apar_model(directory: Path, lm: LoadedModel, fuse: bool = True) -> Load
         model.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=False)
     except ValueError as exc:
         raise UserError(f"corrupt APAR adapter weights in {directory}: {str(exc).splitlines()[0]}") from None
-    if fuse:
+    if config.mode == "skeleton":
+        gate_lora_layers(model)  # per-token LoRA: cannot be fused
+    elif fuse:
         fused = [(name, m.fuse()) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
         model.update_modules(tree_unflatten(fused))
     model.model.embed_tokens = ExtendedEmbedding(model.model.embed_tokens, extra.astype(dtype))
@@ -314,7 +386,7 @@ def _adapted_lm(lm: LoadedModel, model: nn.Module, config: AdapterConfig) -> Loa
     cfg = dict(lm.config)
     cfg["vocab_size"] = config.base_vocab_size + 2
     cfg["apar"] = {"convention": config.convention, "fork_token": config.fork_token,
-                   "child_token": config.child_token}
+                   "child_token": config.child_token, "mode": config.mode}
     return LoadedModel(model, tokenizer, lm.path, f"{lm.name}+apar", cfg, lm.dtype, lm.bits)
 
 

@@ -19,6 +19,7 @@ card and config: the two tokens appended after the base vocabulary, Fork first.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -96,3 +97,11 @@ def find_control_tokens(tokenizer, config: Optional[dict] = None,
 def control_tokens_for(lm) -> Optional[ControlTokens]:
     """`find_control_tokens` for a LoadedModel."""
     return find_control_tokens(lm.tokenizer, lm.config, getattr(lm, "path", None))
+
+
+@lru_cache(maxsize=8)
+def newline_token_ids(tokenizer) -> frozenset:
+    """Ids of the tokens whose text contains a line break (where a skeleton adapter's child ends)."""
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    size = len(inner) if hasattr(inner, "__len__") else len(_vocab(tokenizer))
+    return frozenset(i for i in range(size) if "\n" in inner.decode([i]))

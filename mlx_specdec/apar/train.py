@@ -15,6 +15,11 @@ Layout (the measured choice, `--layout`):
   see only its root path, positions are depths, and each token's target is the next token of its
   own thread ([Child] is never a target; the [Fork] predicts the parent's next sibling). Every
   token is computed once.
+- `skeleton`: for a skeleton adapter (`apar/adapter.py`): only the root stream (prompt, the root's
+  text with [Fork] where each detail was, EOS), one causal sequence, with the LoRA gate on from
+  the first [Fork]. Children are the base model at decode time, so they need no training data;
+  before the first fork the logits are the base's and the loss only teaches the [Fork] row when
+  to fire (and when not: negatives are all gate 0).
 - `streams`: the reference trainer's format: one sequence per stream (the root's; and per child
   the root path up to its [Fork], then [Child] and the child's stream), loss masked up to [Child].
   The same targets in the same contexts, so the same loss; but each child recomputes its prefix.
@@ -180,6 +185,7 @@ class TreeSample:
     forks: int
     prompt_len: int
     answer: int = -1  # index of the answer it came from
+    gate_from: int = -1  # skeleton layout: LoRA on for tokens from this index on; -1: on everywhere
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -233,6 +239,20 @@ def layout_streams(prompt: Sequence[int], tree: ParagraphTree, control: ControlT
     return out
 
 
+def layout_skeleton(prompt: Sequence[int], tree: ParagraphTree, control: ControlTokens, eos: int,
+                    kind: str = "") -> TreeSample:
+    """The root stream as one causal sequence: prompt + root text with [Fork]s + EOS; every answer
+    token is a target; the LoRA gate opens at the first [Fork] (len when it never forks)."""
+    seq = np.array(list(prompt) + tree.stream(0, control.fork) + [eos], np.int32)
+    targets = np.full(len(seq), -1, np.int32)
+    targets[len(prompt) - 1:-1] = seq[len(prompt):]
+    forks = np.nonzero(seq == control.fork)[0]
+    sample = linear_sample(seq, targets, kind)
+    sample.forks, sample.prompt_len = len(forks), len(prompt)
+    sample.gate_from = int(forks[0]) if len(forks) else len(seq)
+    return sample
+
+
 def linear_sample(tokens: np.ndarray, targets: np.ndarray, kind: str = "stream") -> TreeSample:
     parents = np.arange(len(tokens), dtype=np.int32) - 1
     return TreeSample(tokens, parents, targets, kind, 0, 0)
@@ -249,7 +269,10 @@ def build_samples(lm, answers: Sequence[Answer], control: ControlTokens,
         if extraction.tree is None:
             continue
         tree = token_tree(extraction, lm.tokenizer)
-        if layout == "tree" or extraction.kind == "unstructured":
+        if layout == "skeleton":
+            samples.append(layout_skeleton(answer.prompt, tree, control, eos, extraction.kind))
+            samples[-1].answer = number
+        elif layout == "tree" or extraction.kind == "unstructured":
             samples.append(layout_tree(answer.prompt, tree, control, eos, extraction.kind))
             samples[-1].answer = number
         else:
@@ -324,6 +347,24 @@ def collate(batch: Sequence[TreeSample], hide_tokens: Sequence[int] = ()):
         targets += s.targets[where].tolist()
     return (mx.array(tokens), mx.array(positions), mx.array(mask), mx.array(np.array(rows, np.int32)),
             mx.array(np.array(cols, np.int32)), mx.array(np.array(targets, np.int32)))
+
+
+def lora_gates(batch: Sequence[TreeSample], length: int) -> Optional[mx.array]:
+    """(B, L, 1) per-token LoRA gates of a skeleton batch (1 from each sample's `gate_from` to its
+    end; padding 0), or None for a batch of ungated samples."""
+    if all(s.gate_from < 0 for s in batch):
+        return None
+    gates = np.zeros((len(batch), length, 1), np.float32)
+    for b, s in enumerate(batch):
+        gates[b, max(s.gate_from, 0):len(s)] = 1.0
+    return mx.array(gates)
+
+
+def set_lora_gate(model: nn.Module, gates: Optional[mx.array]) -> None:
+    """Set the per-token gate of a skeleton model before building a forward (no-op otherwise)."""
+    gate = getattr(model, "lora_gate", None)
+    if gate is not None:
+        gate.value = gates
 
 
 def sequence_loss(model: nn.Module, tokens, positions, mask, rows, cols, targets, teacher=None, soft=None,
@@ -460,6 +501,8 @@ def train_adapter(model: nn.Module, samples: Sequence[TreeSample], cfg: AparTrai
 
     if cfg.kl_weight > 0 and (control is None or not eos_ids):
         raise ValueError("kl_weight > 0 needs the control tokens and EOS ids (which targets stay hard)")
+    if cfg.layout == "skeleton" and (cfg.kl_weight > 0 or cfg.compile):
+        raise UserError("--layout skeleton trains without --kl-weight and --compile (the base text is not trained)")
 
     batches = plan_batches(samples, cfg)
     total = len(batches)
@@ -500,6 +543,7 @@ def train_adapter(model: nn.Module, samples: Sequence[TreeSample], cfg: AparTrai
         while step < stop:
             batch = [samples[i] for i in batches[step]]
             arrays = collate(batch)
+            set_lora_gate(model, lora_gates(batch, arrays[0].shape[1]))
             loss = train_step(*arrays, *_distillation_inputs(model, batch, arrays, cfg, control, eos_ids))
             mx.eval(loss, model.trainable_parameters(), opt.state)
             step += 1
@@ -554,6 +598,7 @@ def evaluate(model: nn.Module, samples: Sequence[TreeSample], control: ControlTo
         batch = [samples[i] for i in batch_idx]
         arrays = collate(batch)
         tokens, positions, mask, rows, cols, targets = arrays
+        set_lora_gate(model, lora_gates(batch, tokens.shape[1]))
         hidden = forward(model, tokens, None, positions=positions, mask=mask, logits_for="none").hidden
         logits = lm_head(model, hidden[rows, cols]).astype(mx.float32)
         ce = nn.losses.cross_entropy(logits, targets, reduction="none")
@@ -615,7 +660,8 @@ def run_train_apar(lm, prompt_files: Sequence[Path], data_dir: Path, output: Pat
     ensure_answers(lm, prompt_files, data_dir, log=log)
     answers = load_answers(lm, prompt_files, data_dir)
     lora = LoraSettings(rank=cfg.rank, scale=cfg.scale, num_layers=cfg.lora_layers)
-    adapted, adapter_config = prepare_for_training(lm, lora, seed=cfg.seed)
+    skeleton = cfg.layout == "skeleton"
+    adapted, adapter_config = prepare_for_training(lm, lora, seed=cfg.seed, mode="skeleton" if skeleton else "full")
     if cfg.init_adapter:
         load_initial_adapter(adapted.model, adapter_config, Path(cfg.init_adapter))
         log(f"starting from the adapter in {cfg.init_adapter}")
@@ -624,18 +670,18 @@ def run_train_apar(lm, prompt_files: Sequence[Path], data_dir: Path, output: Pat
     train_answers = [a for a in answers if a.split == "train"]
     valid_answers = [a for a in answers if a.split == "valid"]
     train, train_counts = build_samples(adapted, train_answers, control, cfg.layout)
-    valid, valid_counts = build_samples(adapted, valid_answers, control, "tree")
+    valid, valid_counts = build_samples(adapted, valid_answers, control, "skeleton" if skeleton else "tree")
     report: Dict[str, object] = {"data": {
         "data_dir": str(data_dir), "prompt_files": [str(p) for p in prompt_files],
         "train_answers": len(train_answers), "valid_answers": len(valid_answers),
         "train_kinds": train_counts, "valid_kinds": valid_counts,
         "train_samples": len(train), "train_tokens": int(sum(len(s) for s in train)),
         "mean_forks_per_structured_answer": round(float(np.mean(
-            [s.forks for s in train if s.kind in ("list", "paragraphs") and (cfg.layout == "tree")] or [0])), 2),
+            [s.forks for s in train if s.kind in ("list", "paragraphs") and cfg.layout in ("tree", "skeleton")] or [0])), 2),
     }}
     log("data: " + json.dumps(report["data"]))
     if cfg.kl_weight > 0 or cfg.init_adapter:
-        report["valid_at_start"] = evaluate(adapted.model, valid, control, eos_ids=eos_ids)
+        report["valid_at_start"] = evaluate(adapted.model, valid, control, eos_ids=() if skeleton else eos_ids)
         log("validation at start: " + json.dumps(report["valid_at_start"]))
     result = train_adapter(adapted.model, train, cfg, checkpoint_dir=checkpoint_dir, log=log,
                            control=control, eos_ids=eos_ids)
@@ -645,7 +691,7 @@ def run_train_apar(lm, prompt_files: Sequence[Path], data_dir: Path, output: Pat
                        "loss_first_10": round(float(np.mean(result.losses[:10])), 4) if result.losses else None,
                        "loss_last_10": round(float(np.mean(result.losses[-10:])), 4) if result.losses else None,
                        "trainable_params": int(sum(v.size for v in trainable_weights(adapted.model).values()))}
-    report["valid"] = evaluate(adapted.model, valid, control, eos_ids=eos_ids)
+    report["valid"] = evaluate(adapted.model, valid, control, eos_ids=() if skeleton else eos_ids)
     log("validation: " + json.dumps(report["valid"]))
     save_adapter(adapted.model, adapter_config, output)
     report["size_bytes"] = sum(p.stat().st_size for p in Path(output).iterdir() if p.is_file())

@@ -22,6 +22,17 @@ so it sits exactly where the child's text belongs in the parent's stream; `threa
 thread samples EOS. Control tokens and EOS are never emitted as tokens. The whole answer is the
 tree restored by traversal: `mlx_specdec.apar.restore_answer(events, tokenizer)`.
 
+Skeleton adapters (`mode: skeleton`, see `apar/adapter.py`): the LoRA update is gated per token,
+on only for a thread that has forked (its [Fork] and what it writes after it); everything else is
+the base model. Two rules change so that children write exactly the base model's text:
+
+- the child is forked at once, sharing the parent's path up to the token that produced [Fork]
+  (not the [Fork] itself), and starts with the token the model would have written there had
+  [Fork] been masked: it simply goes on as the base model, with no [Child] fed;
+- a child that has not forked itself ends at its first token containing a line break (the base
+  model writes one where the detail ends; the parent's skeleton has the separator). That token is
+  not written, as EOS is not.
+
 One host sync per step: the sampled tokens (every fork/finish decision needs them). While the
 host waits for them, the next step is already queued (`mx.async_eval`) on the guess that no thread
 forks or ends; when one does, the queued step is dropped (`ForkableKVCache.undo_step`) and rebuilt.
@@ -39,7 +50,7 @@ from typing import Dict, Iterator, List, Optional
 
 import mlx.core as mx
 
-from ..apar.tokens import ControlTokens, control_tokens_for
+from ..apar.tokens import ControlTokens, control_tokens_for, newline_token_ids
 from ..cache import ForkableKVCache
 from ..errors import UserError
 from ..model.forward import forward
@@ -61,6 +72,7 @@ class _Thread:
     pending: int  # the token it feeds in the next step
     after_control: bool  # `pending` is [Fork] or [Child]: no [Fork] may follow it
     fork_child: Optional[int] = None  # pending is [Fork]: the child forked once it is written
+    skeleton: bool = False  # has fed a [Fork] (skeleton adapters: LoRA on for its tokens)
 
 
 def _cache_arrays(cache: ForkableKVCache) -> List[mx.array]:
@@ -93,6 +105,9 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
     greedy = params.greedy
     eos = ctx.lm.eos_token_ids
     cache: ForkableKVCache = ctx.resources.get("cache") or ForkableKVCache.for_model(model)
+    gate = getattr(model, "lora_gate", None)  # set: a skeleton adapter (per-token LoRA)
+    skeleton = gate is not None
+    line_breaks = newline_token_ids(ctx.lm.tokenizer) if skeleton else frozenset()
 
     prompt = ctx.prompt
     cache.new_thread(0)
@@ -121,19 +136,28 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
             flat_attended_tokens_mean=round(P + T / 2, 2),
         )
 
-    def build_step(order: List[int], tokens: mx.array, fork_allowed: List[bool]) -> mx.array:
-        """The lazy graph of one step: every thread in `order` feeds its token; returns the
-        sampled tokens (N,). Allocates each row's slot in the cache now (host bookkeeping)."""
-        positions, mask = cache.begin_step(order)
-        logits = forward(model, tokens[None], cache, positions=positions, mask=mask, logits_for="all").logits[0]
-        if processor is not None:
-            logits = processor(order, logits)  # (N, V)
-        logits = _apply_rules(logits, control, fork_allowed)
+    def pick(logits: mx.array) -> mx.array:
         if greedy:
             chosen = mx.argmax(logits, axis=-1)
         else:
             chosen = ctx.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
         return chosen.astype(mx.int32)  # argmax gives uint32; the next step feeds these as ids
+
+    def build_step(order: List[int], tokens: mx.array, fork_allowed: List[bool], lora_on: List[bool]) -> mx.array:
+        """The lazy graph of one step: every thread in `order` feeds its token; returns the
+        sampled tokens (N,), and for skeleton adapters (2, N): also what each thread writes if it
+        may not fork (a forking thread's child starts with it). Allocates each row's slot in the
+        cache now (host bookkeeping)."""
+        positions, mask = cache.begin_step(order)
+        if skeleton:  # LoRA only for rows of threads that have forked; none: the plain base forward
+            gate.value = mx.array(lora_on, dtype=mx.float32)[None, :, None] if any(lora_on) else None
+        logits = forward(model, tokens[None], cache, positions=positions, mask=mask, logits_for="all").logits[0]
+        if processor is not None:
+            logits = processor(order, logits)  # (N, V)
+        logits = _apply_rules(logits, control, fork_allowed)
+        if not skeleton:
+            return pick(logits)
+        return mx.stack([pick(logits), pick(_apply_rules(logits, control, [False] * len(order)))])
 
     # Speculating the next step (pipelining, as `ar` does): while the host waits for this step's
     # tokens, the next step is already queued, built on the guess that no thread forks or ends
@@ -148,7 +172,8 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
             else:
                 order = list(threads)  # live thread ids; row r of this step is thread order[r]
                 tokens = mx.array([threads[t].pending for t in order])
-                chosen = build_step(order, tokens, _fork_allowed(threads, order, max_threads, max_depth))
+                chosen = build_step(order, tokens, _fork_allowed(threads, order, max_threads, max_depth),
+                                    [threads[t].skeleton for t in order])
             queued = None
 
             figures["steps"] += 1
@@ -162,11 +187,17 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
                 # no thread has just fed a control token and the fork rules are the steady ones.
                 steady = [_Thread(t, None, threads[t].depth, 0, False) for t in order]
                 rules = _fork_allowed({t.id: t for t in steady}, order, max_threads, max_depth)
-                queued = (order, build_step(order, chosen, rules))
+                fed = chosen[0] if skeleton else chosen
+                queued = (order, build_step(order, fed, rules, [threads[t].skeleton for t in order]))
                 mx.async_eval(queued[1])
-            values = chosen.tolist()  # host sync (one per step), overlapped with the queued step
+            if skeleton:
+                values, child_starts = chosen.tolist()  # host sync (one per step), overlapped with the queued step
+            else:
+                values = chosen.tolist()  # host sync (one per step), overlapped with the queued step
+            ends = [v in eos or (skeleton and threads[t].depth > 0 and not threads[t].skeleton and v in line_breaks)
+                    for t, v in zip(order, values)]
             stats.forward_passes += 1
-            if queued is not None and any(v in eos or v == control.fork for v in values):
+            if queued is not None and any(end or v == control.fork for end, v in zip(ends, values)):
                 cache.undo_step(order)  # the guess failed: drop the queued step
                 queued = None
                 stats.forward_passes += 1  # it ran all the same
@@ -180,12 +211,23 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
                     cache.fork(t, child)
                     threads[child] = _Thread(child, t, parent.depth + 1, control.child, True)
                     parent.fork_child = None
-            for t, value in zip(order, values):
+            for row, (t, value) in enumerate(zip(order, values)):
                 thread = threads[t]
-                if value in eos:
+                if ends[row]:
                     cache.free_thread(t)  # its own KV is released at once
                     del threads[t]
                     yield Step([], t, thread.parent, kind="thread_end")
+                elif value == control.fork and skeleton:
+                    # The child shares the path as it is now and goes on as the base model would.
+                    child, start = next_id, child_starts[row]
+                    next_id += 1
+                    cache.fork(t, child)
+                    threads[child] = _Thread(child, t, thread.depth + 1, start, False)
+                    thread.pending, thread.after_control, thread.skeleton = value, True, True
+                    figures["control_tokens"] += 1  # the parent's [Fork]
+                    figures["answer_tokens"] += 1  # the child's first token
+                    yield Step([], child, t, kind="thread_start")
+                    yield Step([start], child, t)
                 elif value == control.fork:
                     thread.pending, thread.after_control, thread.fork_child = value, True, next_id
                     figures["control_tokens"] += 2  # the parent's [Fork] and the child's [Child]
@@ -198,6 +240,8 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
             report()
     finally:
         report()
+        if skeleton:
+            gate.value = None  # the model is the base model again for whoever runs it next
         for t in list(cache.paths):  # the stream may stop mid-answer: release every thread
             cache.free_thread(t)
         if queued is not None:
