@@ -123,7 +123,8 @@ def test_training_an_unforked_answer_moves_only_the_fork_row():
 
 
 class Script:
-    """Logits processor: plan {(thread, k): token} forces `token` at the k-th row of `thread`;
+    """Logits processor: plan {(thread, k): token or (token, runner-up)} forces `token` at the
+    k-th row of `thread`;
     [Fork], EOS and the line break are suppressed elsewhere. Records each thread's raw logits."""
 
     def __init__(self, plan):
@@ -137,8 +138,9 @@ class Script:
             k = self.calls[thread]
             self.calls[thread] += 1
             self.logits[thread].append(raw[row])
-            if (thread, k) in self.plan:
-                bias[row, self.plan[(thread, k)]] = 2e4
+            want = self.plan.get((thread, k), ())
+            for rank, token in enumerate(want if isinstance(want, tuple) else (want,)):
+                bias[row, token] = 2e4 / (rank + 1)  # a tuple: the token, then the runner-up
         return logits + mx.array(bias)
 
 
@@ -207,3 +209,12 @@ def test_an_answer_that_never_forks_is_the_base_models_greedy_answer(seed):
     plain = list(stream_events(base, list(PROMPT), autoregressive, params, "ar"))
     assert got == [t for e in plain if e.kind == "token" for t in e.tokens]
     assert adapted.model.lora_gate.value is None  # reset after decoding
+
+
+def test_a_fork_where_the_base_would_break_the_line_gives_an_empty_child(monkeypatch):
+    _, adapted, _ = skeleton_lm()
+    events, _ = run(adapted, {(0, 1): (FORK, NL), (0, 4): EOS}, monkeypatch)
+    kinds = [(e.kind, e.thread_id) for e in events if e.thread_id == 1]
+    assert kinds == [("thread_start", 1), ("thread_end", 1)]
+    tree = tree_from_events(events)
+    assert tree.own(1) == [] and len(tree.own(0)) == 3

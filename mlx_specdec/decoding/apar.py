@@ -221,12 +221,15 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
                     # The child shares the path as it is now and goes on as the base model would.
                     child, start = next_id, child_starts[row]
                     next_id += 1
-                    cache.fork(t, child)
-                    threads[child] = _Thread(child, t, thread.depth + 1, start, False)
                     thread.pending, thread.after_control, thread.skeleton = value, True, True
                     figures["control_tokens"] += 1  # the parent's [Fork]
-                    figures["answer_tokens"] += 1  # the child's first token
                     yield Step([], child, t, kind="thread_start")
+                    if start in eos or start in line_breaks:  # the base would end here: an empty child
+                        yield Step([], child, t, kind="thread_end")
+                        continue
+                    cache.fork(t, child)
+                    threads[child] = _Thread(child, t, thread.depth + 1, start, False)
+                    figures["answer_tokens"] += 1  # the child's first token
                     yield Step([start], child, t)
                 elif value == control.fork:
                     thread.pending, thread.after_control, thread.fork_child = value, True, next_id
