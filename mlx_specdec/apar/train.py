@@ -558,6 +558,7 @@ def train_adapter(model: nn.Module, samples: Sequence[TreeSample], cfg: AparTrai
                 _save_checkpoint(Path(checkpoint_dir), model, opt, step, meta)
     finally:
         bar.close()
+        set_lora_gate(model, None)
     result.wall_s = time.perf_counter() - t0
     return result
 

@@ -108,6 +108,9 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
     gate = getattr(model, "lora_gate", None)  # set: a skeleton adapter (per-token LoRA)
     skeleton = gate is not None
     line_breaks = newline_token_ids(ctx.lm.tokenizer) if skeleton else frozenset()
+    if skeleton:
+        gate.value = None  # the prompt is the base model's, whatever ran before
+        max_depth = min(max_depth, 1)  # the LoRA learned root skeletons only: children never fork
 
     prompt = ctx.prompt
     cache.new_thread(0)
