@@ -399,3 +399,23 @@ def test_the_engine_never_imports_textual():
     code = ("import sys, mlx_specdec.engine, mlx_specdec.cli, mlx_specdec.bench, mlx_specdec.decoding; "
             "sys.exit(1 if any(m == 'textual' or m.startswith('textual.') for m in sys.modules) else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_events_arriving_while_the_widgets_are_torn_down_are_still_saved(tmp_path):
+    """On quit, the worker's last events can arrive after the status bar and panes are gone (a
+    race CI once hit): they must be saved, never raise."""
+    engine = FakeEngine(hold_after=[7])
+
+    async def run():
+        app = make_app(tmp_path, engine=engine, method="ar")
+        async with app.run_test(size=(80, 24)) as pilot:
+            await ask(pilot, "Why is the sky blue?")
+            await until(pilot, engine.holding.is_set)
+            await app.query_one("#status").remove()
+            engine.release()
+            await until(pilot, lambda: app.current is None)
+            return app.last.status
+
+    assert asyncio.run(run()) == "done"
+    saved = rows(tmp_path / "chats.sqlite3")[-1]
+    assert saved["content"] == PLAIN_ANSWER

@@ -448,9 +448,13 @@ class ChatApp(App):
         if self.conversation is None or self.conversation.id != gen.conversation_id:
             return  # saved; another conversation is on screen
         try:
-            panes = self.panes
-        except NoMatches:  # the app is closing
-            return
+            self._show_change(gen, change)
+        except NoMatches:  # the app is closing: the answer is saved above, the widgets are gone
+            pass
+
+    def _show_change(self, gen: Generation, change) -> None:
+        state = gen.state
+        panes = self.panes
         for tid in change.opened:
             panes.open(state.threads[tid], state)
         for tid in change.updated:
