@@ -218,3 +218,31 @@ def test_a_fork_where_the_base_would_break_the_line_gives_an_empty_child(monkeyp
     assert kinds == [("thread_start", 1), ("thread_end", 1)]
     tree = tree_from_events(events)
     assert tree.own(1) == [] and len(tree.own(0)) == 3
+
+
+@pytest.mark.parametrize("seed,boost", [(1, 2.0), (2, 2.0), (3, 2.5)])  # 3: empty children too
+def test_speculated_next_steps_change_nothing_with_the_gate(seed, boost, monkeypatch):
+    """The pipelined loop (next step queued with the gates of the guess that nobody forks or ends)
+    writes exactly what the step-by-step loop writes, with forks, empty children and line-break
+    ends happening on their own ([Fork], EOS and the line-break rows of the head scaled up)."""
+    _, adapted, _ = skeleton_lm(seed)
+    module = sys.modules["mlx_specdec.decoding.apar"]
+    monkeypatch.setattr(module, "newline_token_ids", lambda tokenizer: frozenset({NL}))
+    head = adapted.model.lm_head  # the base head plus the control rows ([Fork] is extra row 0)
+    extra = mx.array(head.extra)
+    extra[FORK - V] = extra[FORK - V] * boost
+    head.extra = extra
+    weight = mx.array(head.base.weight)
+    for row in (EOS, NL):
+        weight[row] = weight[row] * boost
+    head.base.weight = weight
+    runs = {}
+    for speculate in (False, True):
+        params = GenerationParams(max_tokens=120, options={"speculate": speculate})
+        runs[speculate] = list(stream_events(adapted, list(PROMPT), apar, params, "apar"))
+        assert adapted.model.lora_gate.value is None
+    strip = lambda events: [(e.kind, e.thread_id, e.parent_id, e.tokens) for e in events if e.kind != "done"]
+    assert strip(runs[True]) == strip(runs[False])
+    assert sum(e.kind == "thread_start" for e in runs[True]) >= 2  # the loop did fork
+    for key in ("decode_steps", "max_cached_tokens", "attended_tokens_mean", "threads"):
+        assert runs[True][-1].stats.extra[key] == runs[False][-1].stats.extra[key], key
