@@ -218,6 +218,8 @@ def test_a_fork_where_the_base_would_break_the_line_gives_an_empty_child(monkeyp
     assert kinds == [("thread_start", 1), ("thread_end", 1)]
     tree = tree_from_events(events)
     assert tree.own(1) == [] and len(tree.own(0)) == 3
+    stats = events[-1].stats.extra
+    assert stats["threads"] == 1 and not stats["forked"]  # an empty child wrote nothing: not a thread
 
 
 @pytest.mark.parametrize("seed,boost", [(1, 2.0), (2, 2.0), (3, 2.5)])  # 3: empty children too

@@ -119,13 +119,15 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
     threads: Dict[int, _Thread] = {0: _Thread(0, None, 0, prompt[-1], False)}
     next_id = 1
     figures = {"steps": 0, "rows": 0, "attended": 0, "max_cached": cache.live_slots, "max_live": 1,
-               "answer_tokens": 0, "control_tokens": 0, "dropped": 0}
+               "answer_tokens": 0, "control_tokens": 0, "dropped": 0,
+               "empty_children": 0}
 
     def report() -> None:
         P, T = len(prompt), figures["answer_tokens"]
+        threads_written = next_id - figures["empty_children"]  # an empty child wrote nothing: not a thread
         stats.extra.update(
-            threads=next_id,
-            forked=next_id > 1,
+            threads=threads_written,
+            forked=threads_written > 1,
             max_live_threads=figures["max_live"],
             decode_steps=figures["steps"],
             max_cached_tokens=figures["max_cached"],
@@ -228,6 +230,7 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
                     figures["control_tokens"] += 1  # the parent's [Fork]
                     yield Step([], child, t, kind="thread_start")
                     if start in eos or start in line_breaks:  # the base would end here: an empty child
+                        figures["empty_children"] += 1
                         yield Step([], child, t, kind="thread_end")
                         continue
                     cache.fork(t, child)
