@@ -387,6 +387,41 @@ def test_begin_step_positions_and_mask_rows():
     assert np.array_equal(np.array(mask[0, 0]), expected)
 
 
+def test_contiguous_shortcut_is_taken_only_for_a_lone_compact_thread_and_changes_no_logit():
+    """`begin_step(allow_contiguous=True)` drops the explicit positions and mask (scalar RoPE
+    offset, causal or no mask) only while one thread owns every slot in order; each step's logits
+    equal the general path's, through prefill chunks, a fork, frees and slot reuse."""
+    model = _model()
+    fast, slow = ForkableKVCache.for_model(model), ForkableKVCache.for_model(model)
+
+    def step(thread_ids, tokens):
+        outs = []
+        for cache, allow in ((fast, True), (slow, False)):
+            positions, mask = cache.begin_step(thread_ids, allow_contiguous=allow)
+            logits = forward(model, _tokens(tokens), cache, positions=positions, mask=mask).logits
+            outs.append((positions, mask, _np(logits[0])))
+        np.testing.assert_allclose(outs[0][2], outs[1][2], atol=1e-5, rtol=1e-5)
+        assert outs[0][2].argmax(-1).tolist() == outs[1][2].argmax(-1).tolist()
+        return outs[0][0] is None  # the shortcut was taken
+
+    for cache in (fast, slow):
+        cache.new_thread(0)
+    assert step([0, 0, 0, 0], PREFIX[:4])  # first prefill chunk: "causal"
+    assert step([0, 0, 0], PREFIX[4:])  # second chunk, after the first
+    assert step([0], [9]) and step([0], [31])  # one-token decode steps: no mask
+    for cache in (fast, slow):
+        cache.fork(0, 1)
+    assert not step([0, 1], [12, 13])  # two threads: positions and mask again
+    assert not step([1], [14])  # thread 1 alone is live in the pool only after 0 is freed
+    for cache in (fast, slow):
+        cache.free_thread(1)
+    # Thread 0 alone again, but thread 1's freed slot sits below the new one: its path is not
+    # every slot, so the general path stays (and the reused slot is written by index).
+    assert not step([0], [15])
+    assert not step([0], [16])
+    assert fast.paths == slow.paths
+
+
 def test_thread_errors():
     cache = ForkableKVCache(num_layers=1)
     cache.new_thread(0)
@@ -395,7 +430,7 @@ def test_thread_errors():
     cache.new_thread(1)
     with pytest.raises(ValueError, match="thread 1 exists"):
         cache.fork(0, 1)
-    with pytest.raises(TypeError, match="no single offset"):
+    with pytest.raises(TypeError, match="consecutive positions"):
         cache.layers[0].offset
 
 

@@ -84,7 +84,7 @@ def prefill_thread(ctx: DecodeContext, cache: ForkableKVCache, thread: int, toke
     chunk = max(1, ctx.params.prefill_chunk)
     for start in range(0, len(tokens), chunk):
         piece = list(tokens[start : start + chunk])
-        positions, mask = cache.begin_step([thread] * len(piece))
+        positions, mask = cache.begin_step([thread] * len(piece), allow_contiguous=True)
         forward(ctx.lm.model, mx.array(piece)[None], cache, positions=positions, mask=mask, logits_for="none")
         mx.eval(_cache_arrays(cache))  # deliberate sync per chunk: bounds the graph and memory of prefill
 
@@ -153,7 +153,7 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
         sampled tokens (N,), and for skeleton adapters (2, N): also what each thread writes if it
         may not fork (a forking thread's child starts with it). Allocates each row's slot in the
         cache now (host bookkeeping)."""
-        positions, mask = cache.begin_step(order)
+        positions, mask = cache.begin_step(order, allow_contiguous=True)
         if skeleton:  # LoRA only for rows of threads that have forked; none: the plain base forward
             gate.value = mx.array(lora_on, dtype=mx.float32)[None, :, None] if any(lora_on) else None
         logits = forward(model, tokens[None], cache, positions=positions, mask=mask, logits_for="all").logits[0]
