@@ -381,9 +381,9 @@ def test_plain_printer_prints_apars_restored_answer_and_keeps_unfinished_threads
 
 @pytest.mark.parametrize("seed,boost", [(1, 2.0), (2, 2.0), (3, 1.5), (3, 2.0)])
 def test_speculated_next_steps_change_nothing(seed, boost):
-    """The pipelined loop (next step queued on the guess that nobody forks or ends, dropped when
-    the guess fails) writes exactly the threads of the step-by-step loop. A random model with its
-    [Fork] and EOS rows scaled up forks and ends threads on its own, many times per answer."""
+    """The pipelined loop (the next step queued before this step's tokens are read, each thread
+    feeding what it samples) writes exactly the threads of the step-by-step loop. A random model
+    with its [Fork] and EOS rows scaled up forks and ends threads on its own, many times per answer."""
     lm = make_apar_lm(seed)
     weight = mx.array(lm.model.lm_head.weight)
     weight[FORK] = weight[FORK] * boost
@@ -401,3 +401,36 @@ def test_speculated_next_steps_change_nothing(seed, boost):
     assert len(starts(runs[True])) >= 2
     for key in ("decode_steps", "max_cached_tokens", "attended_tokens_mean", "threads"):
         assert runs[True][-1].stats.extra[key] == runs[False][-1].stats.extra[key], key
+
+
+def test_forks_and_ends_keep_the_queued_step():
+    """A thread that forks feeds [Fork] next, as the queued step guessed, and one that ends only
+    wastes its own row: neither drops the queued step (each used to cost one whole forward)."""
+    lm = make_apar_lm(3)
+    weight = mx.array(lm.model.lm_head.weight)
+    weight[FORK] = weight[FORK] * 2.0
+    weight[EOS] = weight[EOS] * 2.0
+    lm.model.lm_head.weight = weight
+    events = list(stream_events(lm, list(PROMPT), apar, GenerationParams(max_tokens=120), "apar"))
+    stats = events[-1].stats
+    forks, ends = len(starts(events)), sum(e.kind == "thread_end" for e in events)
+    assert forks >= 20 and ends >= 20
+    assert stats.extra["dropped_steps"] <= 2  # only a [Fork] sampled where it may not fork drops one
+    assert stats.forward_passes == stats.extra["decode_steps"] + stats.extra["dropped_steps"]
+
+
+def test_sampling_keeps_the_queued_step_and_the_rules():
+    """When sampling, the with-[Fork] and without-[Fork] picks of a thread agree unless [Fork]
+    was drawn, so threads that may not fork (here: every child, at the depth limit) do not drop
+    the queued step; no control token leaks into the answer and no child forks."""
+    lm = make_apar_lm(2)
+    weight = mx.array(lm.model.lm_head.weight)
+    weight[FORK] = weight[FORK] * 3.0
+    lm.model.lm_head.weight = weight
+    params = GenerationParams(max_tokens=80, temperature=1.0, seed=5, options={"max_depth": 1})
+    events = list(stream_events(lm, list(PROMPT), apar, params, "apar"))
+    stats = events[-1].stats
+    assert len(starts(events)) >= 2
+    assert all(parent == 0 for _, parent in starts(events))  # depth limit 1: only the root forks
+    assert not {FORK, CHILD} & set(restore_tokens(events))
+    assert stats.extra["dropped_steps"] <= 2, stats.extra

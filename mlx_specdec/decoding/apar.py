@@ -34,12 +34,16 @@ the base model. Two rules change so that children write exactly the base model's
   not written, as EOS is not.
 
 One host sync per step: the sampled tokens (every fork/finish decision needs them). While the
-host waits for them, the next step is already queued (`mx.async_eval`) on the guess that no thread
-forks or ends; when one does, the queued step is dropped (`ForkableKVCache.undo_step`) and rebuilt.
-Option `speculate=False` turns this off. Greedy output is the same either way (tested); when
-sampling, a dropped step has used up one random draw, so a seeded run differs from one without
-speculation (each is still a sample of the model). Dropped steps ran a full forward: they count
-in `forward_passes` and are reported as `dropped_steps`.
+host waits for them, the next step is already queued (`mx.async_eval`), every thread feeding what
+it just sampled. Each step samples twice per thread, with [Fork] allowed (where the depth limit
+allows) and with it masked, and the host picks per thread by the step's fork rules once it knows
+them; so the queued step stays right when a thread forks (it feeds [Fork] next; the child joins
+the step after) or ends (its row is wasted, its slot freed). It is dropped
+(`ForkableKVCache.undo_step`) and rebuilt only when a thread sampled [Fork] where it may not fork,
+or on a skeleton adapter's fork. Option `speculate=False` turns this off. Greedy output is the
+same either way (tested); when sampling, a dropped step has used up random draws, so a seeded run
+differs from one without speculation (each is still a sample of the model). Dropped steps ran a
+full forward: they count in `forward_passes` and are reported as `dropped_steps`.
 """
 
 from __future__ import annotations
@@ -148,65 +152,74 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
             chosen = ctx.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
         return chosen.astype(mx.int32)  # argmax gives uint32; the next step feeds these as ids
 
-    def build_step(order: List[int], tokens: mx.array, fork_allowed: List[bool], lora_on: List[bool]) -> mx.array:
-        """The lazy graph of one step: every thread in `order` feeds its token; returns the
-        sampled tokens (N,), and for skeleton adapters (2, N): also what each thread writes if it
-        may not fork (a forking thread's child starts with it). Allocates each row's slot in the
-        cache now (host bookkeeping)."""
+    def build_step(order: List[int], tokens: mx.array, lora_on: List[bool]) -> mx.array:
+        """The lazy graph of one step: every thread in `order` feeds its token. Returns (2, N)
+        sampled tokens: row 0 with [Fork] allowed wherever the depth limit allows it, row 1 what
+        the thread writes if it may not fork. The host picks per thread once it knows the step's fork rules
+        (`_fork_allowed`), so a step queued before the previous one's tokens were read needs no
+        rules of its own; row 1 is also where a skeleton adapter's child starts. Allocates each
+        row's slot in the cache now (host bookkeeping)."""
         positions, mask = cache.begin_step(order, allow_contiguous=True)
         if skeleton:  # LoRA only for rows of threads that have forked; none: the plain base forward
             gate.value = mx.array(lora_on, dtype=mx.float32)[None, :, None] if any(lora_on) else None
         logits = forward(model, tokens[None], cache, positions=positions, mask=mask, logits_for="all").logits[0]
         if processor is not None:
             logits = processor(order, logits)  # (N, V)
-        logits = _apply_rules(logits, control, fork_allowed)
-        if not skeleton:
-            return pick(logits)
-        return mx.stack([pick(logits), pick(_apply_rules(logits, control, [False] * len(order)))])
+        first = pick(_apply_rules(logits, control, [threads[t].depth < max_depth for t in order]))
+        # Without [Fork]: the same token unless it was [Fork], else a pick with [Fork] masked. When
+        # sampling this is exactly the masked distribution (p(y) + p(Fork) p(y) / (1 - p(Fork))),
+        # and the two rows agree wherever no [Fork] was drawn, so the queued step stays right.
+        masked = pick(_apply_rules(logits, control, [False] * len(order)))
+        return mx.stack([first, mx.where(first == control.fork, masked, first)])
 
     # Speculating the next step (pipelining, as `ar` does): while the host waits for this step's
-    # tokens, the next step is already queued, built on the guess that no thread forks or ends
-    # (true on most steps). If one did, the queued step is dropped and its slots released. A
-    # stateful logits processor (the tests' script) would see the dropped step: no speculation then.
+    # tokens, the next step is already queued, every thread feeding what it samples now. That is
+    # the right next step for every thread that goes on, [Fork] included (a forking thread feeds
+    # [Fork] next; its child joins the step after). A thread that ends wasted one row of it: its
+    # slot is freed with the thread. Skeleton adapters are the exception: a fork starts the child
+    # at once and turns the parent's LoRA on, so a queued step is dropped (`undo_step`) and rebuilt.
+    # A stateful logits processor (the tests' script) would see the dropped step: no speculation then.
     speculate = bool(options.get("speculate", True)) and processor is None
     queued = None  # (order, chosen) of a step built before the previous step's tokens were read
     try:
         while threads:
             if queued is not None:
-                order, chosen = queued
+                order, chosen = queued  # may hold rows of threads that have ended since
             else:
                 order = list(threads)  # live thread ids; row r of this step is thread order[r]
                 tokens = mx.array([threads[t].pending for t in order])
-                chosen = build_step(order, tokens, _fork_allowed(threads, order, max_threads, max_depth),
-                                    [threads[t].skeleton for t in order])
+                chosen = build_step(order, tokens, [threads[t].skeleton for t in order])
             queued = None
+            rows = [r for r, t in enumerate(order) if t in threads]  # the rows of live threads
+            live = [order[r] for r in rows]
 
             figures["steps"] += 1
-            figures["rows"] += len(order)
-            figures["attended"] += sum(cache.length(t) for t in order)  # each row sees its whole path
+            figures["rows"] += len(live)
+            figures["attended"] += sum(cache.length(t) for t in live)  # each row sees its whole path
             figures["max_cached"] = max(figures["max_cached"], cache.live_slots)
-            figures["max_live"] = max(figures["max_live"], len(order))
+            figures["max_live"] = max(figures["max_live"], len(live))
 
-            if speculate and not any(threads[t].fork_child is not None for t in order):
-                # The guess: every thread feeds what it samples now, none of it [Fork] or EOS, so
-                # no thread has just fed a control token and the fork rules are the steady ones.
-                steady = [_Thread(t, None, threads[t].depth, 0, False) for t in order]
-                rules = _fork_allowed({t.id: t for t in steady}, order, max_threads, max_depth)
-                fed = chosen[0] if skeleton else chosen
-                queued = (order, build_step(order, fed, rules, [threads[t].skeleton for t in order]))
+            if speculate and not any(threads[t].fork_child is not None for t in live):
+                queued = (live, build_step(live, chosen[0][mx.array(rows)] if len(rows) < len(order) else chosen[0],
+                                           [threads[t].skeleton for t in live]))
                 mx.async_eval(queued[1])
-            if skeleton:
-                values, child_starts = chosen.tolist()  # host sync (one per step), overlapped with the queued step
-            else:
-                values = chosen.tolist()  # host sync (one per step), overlapped with the queued step
+            may_fork, no_fork = chosen.tolist()  # host sync (one per step), overlapped with the queued step
+            allowed = _fork_allowed(threads, live, max_threads, max_depth)
+            values = [may_fork[r] if ok else no_fork[r] for r, ok in zip(rows, allowed)]
+            child_starts = [no_fork[r] for r in rows]
             ends = [v in eos or (skeleton and threads[t].depth > 0 and not threads[t].skeleton and v in line_breaks)
-                    for t, v in zip(order, values)]
+                    for t, v in zip(live, values)]
             stats.forward_passes += 1
-            if queued is not None and any(end or v == control.fork for end, v in zip(ends, values)):
-                cache.undo_step(order)  # the guess failed: drop the queued step
+            # The queued step fed row 0's tokens. It is wrong where a thread sampled [Fork] but may
+            # not fork now (it writes row 1's token instead), and for any skeleton fork (the child
+            # starts at once and the parent's LoRA turns on): then drop it.
+            refused = any(v != may_fork[r] for v, r in zip(values, rows))
+            if queued is not None and (refused or (skeleton and control.fork in values)):
+                cache.undo_step(live)
                 queued = None
                 stats.forward_passes += 1  # it ran all the same
                 figures["dropped"] += 1
+            order = live
 
             # [Fork]s fed in this step are in the cache now: their children share the parent's path.
             for t in order:
