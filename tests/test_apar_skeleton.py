@@ -248,3 +248,20 @@ def test_speculated_next_steps_change_nothing_with_the_gate(seed, boost, monkeyp
     assert sum(e.kind == "thread_start" for e in runs[True]) >= 2  # the loop did fork
     for key in ("decode_steps", "max_cached_tokens", "attended_tokens_mean", "threads"):
         assert runs[True][-1].stats.extra[key] == runs[False][-1].stats.extra[key], key
+
+
+def test_line_breaks_are_whitespace_tokens_only():
+    """A child ends at a pure line-break token (unwritten); a token that merges text with the
+    break would lose its text there, so it does not count."""
+    from mlx_specdec.apar.tokens import newline_token_ids
+
+    class Tokenizer:
+        pieces = ["a", "\n", ".\n", " \n", "\n\n", "b", "\r\n", ":\n  "]
+
+        def __len__(self):
+            return len(self.pieces)
+
+        def decode(self, ids):
+            return "".join(self.pieces[i] for i in ids)
+
+    assert newline_token_ids(Tokenizer()) == {1, 3, 4, 6}

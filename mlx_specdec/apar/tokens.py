@@ -101,7 +101,11 @@ def control_tokens_for(lm) -> Optional[ControlTokens]:
 
 @lru_cache(maxsize=8)
 def newline_token_ids(tokenizer) -> frozenset:
-    """Ids of the tokens whose text contains a line break (where a skeleton adapter's child ends)."""
+    """Ids of the tokens that are a line break and nothing else but whitespace (where a skeleton
+    adapter's child ends, the token unwritten). A token that merges text with the break (".\n")
+    is not one: ending there would drop its text, so such a child goes on to the next break or EOS.
+    (SmolLM2's vocabulary has 129 tokens with a line break, all of them whitespace.)"""
     inner = getattr(tokenizer, "_tokenizer", tokenizer)
     size = len(inner) if hasattr(inner, "__len__") else len(_vocab(tokenizer))
-    return frozenset(i for i in range(size) if "\n" in inner.decode([i]))
+    texts = ((i, inner.decode([i])) for i in range(size))
+    return frozenset(i for i, text in texts if "\n" in text and not text.strip())
