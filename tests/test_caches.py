@@ -389,7 +389,7 @@ def test_begin_step_positions_and_mask_rows():
 
 def test_contiguous_shortcut_is_taken_only_for_a_lone_compact_thread_and_changes_no_logit():
     """`begin_step(allow_contiguous=True)` drops the explicit positions and mask (scalar RoPE
-    offset, causal or no mask) only while one thread owns every slot in order; each step's logits
+    offset, causal or no mask) only while one thread owns every slot; each step's logits
     equal the general path's, through prefill chunks, a fork, frees and slot reuse."""
     model = _model()
     fast, slow = ForkableKVCache.for_model(model), ForkableKVCache.for_model(model)

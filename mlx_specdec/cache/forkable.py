@@ -73,7 +73,7 @@ class ForkableKVCache:
         # index array (built once per step, not once per layer).
         self._step_run = None
         self._step_index = None
-        # Set when the whole pool is one thread's path in slot order and the step only extends it:
+        # Set when the whole pool is one thread's path and the step only extends it:
         # the step's first position (a scalar RoPE offset, as a contiguous cache has).
         self._step_offset = None
 
@@ -117,8 +117,8 @@ class ForkableKVCache:
 
         Returns positions (1, L) and a boolean mask (1, 1, L, high_water) for `forward`.
 
-        allow_contiguous: when the pool holds a single thread whose path is every slot (before the
-        first fork, or a thread left alone in a compact pool), the step is exactly a contiguous
+        allow_contiguous: when the pool holds a single thread whose path holds every slot (before
+        the first fork, or a thread left alone in a compact pool), the step is exactly a contiguous
         cache's; then return positions None (the layers' `offset` is the scalar start) and mask
         None for one token or "causal" for several. That skips the per-token RoPE and the mask:
         ~4% of a one-token step of the default model on the CPU.
@@ -130,7 +130,7 @@ class ForkableKVCache:
             self.paths[tid].append(slot)
             self.refcount[slot] += 1
             slots.append(slot)
-        start = slots[0]
+        start = slots[0] if slots else self.high_water
         consecutive = slots == list(range(start, start + len(slots)))
         self._step_run = (start, start + len(slots)) if consecutive else None
         self._step_index = None if consecutive else mx.array(slots, dtype=mx.int32)

@@ -34,16 +34,18 @@ the base model. Two rules change so that children write exactly the base model's
   not written, as EOS is not.
 
 One host sync per step: the sampled tokens (every fork/finish decision needs them). While the
-host waits for them, the next step is already queued (`mx.async_eval`), every thread feeding what
-it just sampled. Each step samples twice per thread, with [Fork] allowed (where the depth limit
-allows) and with it masked, and the host picks per thread by the step's fork rules once it knows
-them; so the queued step stays right when a thread forks (it feeds [Fork] next; the child joins
-the step after) or ends (its row is wasted, its slot freed). It is dropped
-(`ForkableKVCache.undo_step`) and rebuilt only when a thread sampled [Fork] where it may not fork,
-or on a skeleton adapter's fork. Option `speculate=False` turns this off. Greedy output is the
-same either way (tested); when sampling, a dropped step has used up random draws, so a seeded run
-differs from one without speculation (each is still a sample of the model). Dropped steps ran a
-full forward: they count in `forward_passes` and are reported as `dropped_steps`.
+host waits for them, the next step is already queued (`mx.async_eval`). Each step samples twice
+per thread, with [Fork] allowed (where the depth limit allows) and with it masked; the step's
+fork rules (thread limit, no [Fork] after a control token) are known before its tokens are read,
+so the queued step is fed, in the graph, exactly what each thread writes. It stays right when a
+thread forks (it feeds [Fork] next; the child joins the step after) or ends (its row is wasted,
+its slot freed with it); it is dropped (`ForkableKVCache.undo_step`) and rebuilt only on a
+skeleton adapter's fork. Option `speculate=False` turns this off. The threads write the same
+tokens either way up to float rounding: a queued step takes fresh slots where a step built after
+a thread ended would reuse the freed ones, which reorders the attention sums (~1e-7 in float32).
+The tests' models and the 40 list bench prompts gave the same tokens. When the last thread ends,
+the step queued behind it is discarded uncounted, as `ar` does with its own. Dropped steps ran
+a full forward: they count in `forward_passes` and are reported as `dropped_steps`.
 """
 
 from __future__ import annotations
@@ -154,31 +156,27 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
 
     def build_step(order: List[int], tokens: mx.array, lora_on: List[bool]) -> mx.array:
         """The lazy graph of one step: every thread in `order` feeds its token. Returns (2, N)
-        sampled tokens: row 0 with [Fork] allowed wherever the depth limit allows it, row 1 what
-        the thread writes if it may not fork. The host picks per thread once it knows the step's fork rules
-        (`_fork_allowed`), so a step queued before the previous one's tokens were read needs no
-        rules of its own; row 1 is also where a skeleton adapter's child starts. Allocates each
-        row's slot in the cache now (host bookkeeping)."""
+        sampled tokens: row 0 with [Fork] allowed wherever the depth limit allows it, row 1 with
+        [Fork] masked (what the thread writes if it may not fork; where a skeleton adapter's child
+        starts). The host picks per thread by the step's fork rules (`_fork_allowed`), which it
+        knows before it reads the tokens. Allocates each row's slot in the cache now."""
         positions, mask = cache.begin_step(order, allow_contiguous=True)
         if skeleton:  # LoRA only for rows of threads that have forked; none: the plain base forward
             gate.value = mx.array(lora_on, dtype=mx.float32)[None, :, None] if any(lora_on) else None
         logits = forward(model, tokens[None], cache, positions=positions, mask=mask, logits_for="all").logits[0]
         if processor is not None:
             logits = processor(order, logits)  # (N, V)
-        first = pick(_apply_rules(logits, control, [threads[t].depth < max_depth for t in order]))
-        # Without [Fork]: the same token unless it was [Fork], else a pick with [Fork] masked. When
-        # sampling this is exactly the masked distribution (p(y) + p(Fork) p(y) / (1 - p(Fork))),
-        # and the two rows agree wherever no [Fork] was drawn, so the queued step stays right.
-        masked = pick(_apply_rules(logits, control, [False] * len(order)))
-        return mx.stack([first, mx.where(first == control.fork, masked, first)])
+        may_fork = _apply_rules(logits, control, [threads[t].depth < max_depth for t in order])
+        return mx.stack([pick(may_fork), pick(_apply_rules(logits, control, [False] * len(order)))])
 
     # Speculating the next step (pipelining, as `ar` does): while the host waits for this step's
-    # tokens, the next step is already queued, every thread feeding what it samples now. That is
-    # the right next step for every thread that goes on, [Fork] included (a forking thread feeds
-    # [Fork] next; its child joins the step after). A thread that ends wasted one row of it: its
-    # slot is freed with the thread. Skeleton adapters are the exception: a fork starts the child
-    # at once and turns the parent's LoRA on, so a queued step is dropped (`undo_step`) and rebuilt.
-    # A stateful logits processor (the tests' script) would see the dropped step: no speculation then.
+    # tokens, the next step is already queued, every thread feeding what it writes now (row 0 or
+    # row 1 by this step's fork rules, chosen in the graph). That is the right next step for every
+    # thread that goes on, a forking one included (it feeds [Fork] next; its child joins the step
+    # after). A thread that ends wasted one row of it, its slot freed with the thread. Skeleton
+    # adapters are the exception: a fork starts the child at once and turns the parent's LoRA on,
+    # so the queued step is dropped (`undo_step`) and rebuilt. A stateful logits processor (the
+    # tests' script) would see a dropped step: no speculation then.
     speculate = bool(options.get("speculate", True)) and processor is None
     queued = None  # (order, chosen) of a step built before the previous step's tokens were read
     try:
@@ -192,7 +190,9 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
             queued = None
             rows = [r for r, t in enumerate(order) if t in threads]  # the rows of live threads
             live = [order[r] for r in rows]
+            allowed = _fork_allowed(threads, live, max_threads, max_depth)  # this step's rules
 
+            # The answer's figures count live rows (a row of an ended thread computed nothing read).
             figures["steps"] += 1
             figures["rows"] += len(live)
             figures["attended"] += sum(cache.length(t) for t in live)  # each row sees its whole path
@@ -200,22 +200,18 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
             figures["max_live"] = max(figures["max_live"], len(live))
 
             if speculate and not any(threads[t].fork_child is not None for t in live):
-                queued = (live, build_step(live, chosen[0][mx.array(rows)] if len(rows) < len(order) else chosen[0],
-                                           [threads[t].skeleton for t in live]))
+                live_rows = chosen[:, mx.array(rows)] if len(rows) < len(order) else chosen
+                written = mx.where(mx.array(allowed), live_rows[0], live_rows[1])  # what each writes
+                queued = (live, build_step(live, written, [threads[t].skeleton for t in live]))
                 mx.async_eval(queued[1])
             may_fork, no_fork = chosen.tolist()  # host sync (one per step), overlapped with the queued step
-            allowed = _fork_allowed(threads, live, max_threads, max_depth)
             values = [may_fork[r] if ok else no_fork[r] for r, ok in zip(rows, allowed)]
             child_starts = [no_fork[r] for r in rows]
             ends = [v in eos or (skeleton and threads[t].depth > 0 and not threads[t].skeleton and v in line_breaks)
                     for t, v in zip(live, values)]
             stats.forward_passes += 1
-            # The queued step fed row 0's tokens. It is wrong where a thread sampled [Fork] but may
-            # not fork now (it writes row 1's token instead), and for any skeleton fork (the child
-            # starts at once and the parent's LoRA turns on): then drop it.
-            refused = any(v != may_fork[r] for v, r in zip(values, rows))
-            if queued is not None and (refused or (skeleton and control.fork in values)):
-                cache.undo_step(live)
+            if queued is not None and skeleton and control.fork in values:
+                cache.undo_step(live)  # a skeleton fork changes the next step's rows: drop it
                 queued = None
                 stats.forward_passes += 1  # it ran all the same
                 figures["dropped"] += 1
