@@ -379,16 +379,23 @@ def test_plain_printer_prints_apars_restored_answer_and_keeps_unfinished_threads
     assert stopped.text == lm.tokenizer.decode([10, 20, 11])
 
 
+def forking_apar_lm(seed: int, fork: float, eos: float = 1.0) -> LoadedModel:
+    """A tiny random APAR model with its [Fork] and EOS head rows scaled up, so that it forks
+    and ends threads on its own (no script)."""
+    lm = make_apar_lm(seed)
+    weight = mx.array(lm.model.lm_head.weight)
+    weight[FORK] = weight[FORK] * fork
+    weight[EOS] = weight[EOS] * eos
+    lm.model.lm_head.weight = weight
+    return lm
+
+
 @pytest.mark.parametrize("seed,boost", [(1, 2.0), (2, 2.0), (3, 1.5), (3, 2.0)])
 def test_speculated_next_steps_change_nothing(seed, boost):
     """The pipelined loop (the next step queued before this step's tokens are read, each thread
     feeding what it samples) writes exactly the threads of the step-by-step loop. A random model
     with its [Fork] and EOS rows scaled up forks and ends threads on its own, many times per answer."""
-    lm = make_apar_lm(seed)
-    weight = mx.array(lm.model.lm_head.weight)
-    weight[FORK] = weight[FORK] * boost
-    weight[EOS] = weight[EOS] * boost
-    lm.model.lm_head.weight = weight
+    lm = forking_apar_lm(seed, fork=boost, eos=boost)
     runs = {}
     for speculate in (False, True):
         cache = ForkableKVCache.for_model(lm.model)
@@ -406,11 +413,7 @@ def test_speculated_next_steps_change_nothing(seed, boost):
 def test_forks_and_ends_keep_the_queued_step():
     """A thread that forks feeds [Fork] next, as the queued step guessed, and one that ends only
     wastes its own row: neither drops the queued step (each used to cost one whole forward)."""
-    lm = make_apar_lm(3)
-    weight = mx.array(lm.model.lm_head.weight)
-    weight[FORK] = weight[FORK] * 2.0
-    weight[EOS] = weight[EOS] * 2.0
-    lm.model.lm_head.weight = weight
+    lm = forking_apar_lm(3, fork=2.0, eos=2.0)
     events = list(stream_events(lm, list(PROMPT), apar, GenerationParams(max_tokens=120), "apar"))
     stats = events[-1].stats
     forks, ends = len(starts(events)), sum(e.kind == "thread_end" for e in events)
@@ -423,10 +426,7 @@ def test_sampling_keeps_the_queued_step_and_the_rules():
     """When sampling, the queued step is fed what each thread writes by this step's rules (the
     no-[Fork] pick for threads that may not fork: here every child, at the depth limit), so
     nothing is dropped; no control token leaks into the answer and no child forks."""
-    lm = make_apar_lm(2)
-    weight = mx.array(lm.model.lm_head.weight)
-    weight[FORK] = weight[FORK] * 2.0
-    lm.model.lm_head.weight = weight
+    lm = forking_apar_lm(2, fork=2.0)
     params = GenerationParams(max_tokens=80, temperature=1.0, seed=5, options={"max_depth": 1})
     events = list(stream_events(lm, list(PROMPT), apar, params, "apar"))
     stats = events[-1].stats
@@ -440,11 +440,7 @@ def test_sampling_keeps_the_queued_step_and_the_rules():
 def test_a_tight_thread_limit_drops_nothing_and_changes_nothing(max_threads):
     """Threads that want to fork at the thread limit write their no-[Fork] token; the queued step
     is fed exactly that, so the pipelined loop drops nothing and writes the step-by-step threads."""
-    lm = make_apar_lm(3)
-    weight = mx.array(lm.model.lm_head.weight)
-    weight[FORK] = weight[FORK] * 2.0
-    weight[EOS] = weight[EOS] * 2.0
-    lm.model.lm_head.weight = weight
+    lm = forking_apar_lm(3, fork=2.0, eos=2.0)
     runs = {}
     for speculate in (False, True):
         params = GenerationParams(max_tokens=120, options={"speculate": speculate, "max_threads": max_threads})

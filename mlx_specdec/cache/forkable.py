@@ -47,7 +47,7 @@ class _PoolLayerCache:
             index = owner._step_index
             self.keys[..., index, :] = keys
             self.values[..., index, :] = values
-        used = self.owner.high_water
+        used = owner.high_water
         return self.keys[..., :used, :], self.values[..., :used, :]
 
     def _grow(self, keys, values, capacity):
