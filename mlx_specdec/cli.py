@@ -45,6 +45,10 @@ def _add_method_args(p: argparse.ArgumentParser, lists: bool = False) -> None:
                    help=f"apar: {kind}most live threads per answer (default: 32)")
     p.add_argument("--max-depth", default=None,
                    help=f"apar: {kind}deepest fork, 0 = never fork (default: 2)")
+    p.add_argument("--fork-probe", default=None,
+                   help=f"apar: {kind}on = the original model writes until the first fork, decided by the "
+                        "adapter's fork probe (an unforked answer is the original's); off = the adapted "
+                        "model writes everything (default: on where the adapter ships a probe)")
 
 
 def _method_options(args) -> dict:
@@ -59,7 +63,15 @@ def _method_options(args) -> dict:
         options["max_threads"] = _positive_int(args.max_threads, "--max-threads")
     if args.max_depth is not None:
         options["max_depth"] = _nonnegative_int(args.max_depth, "--max-depth")
+    if args.fork_probe is not None:
+        options["fork_probe"] = _on_off(args.fork_probe, "--fork-probe")
     return options
+
+
+def _on_off(value: str, flag: str) -> bool:
+    if value.strip().lower() not in ("on", "off"):
+        raise UserError(f"{flag} is on or off, not {value!r}")
+    return value.strip().lower() == "on"
 
 
 def _whole_number(text: str, flag: str, minimum: int) -> int:
@@ -269,6 +281,8 @@ def cmd_bench(args) -> int:
         apar_grid["max_threads"] = [_positive_int(v, "--max-threads") for v in _comma_list(args.max_threads)]
     if args.max_depth:
         apar_grid["max_depth"] = [_nonnegative_int(v, "--max-depth") for v in _comma_list(args.max_depth)]
+    if args.fork_probe:
+        apar_grid["fork_probe"] = [_on_off(v, "--fork-probe") for v in _comma_list(args.fork_probe)]
     configs = expand_configs(methods, {"redrafter": redrafter_grid, "apar": apar_grid})
     prompts = load_prompts(args.prompts, limit=args.limit,
                            categories=_comma_list(args.categories) if args.categories else None,
@@ -360,6 +374,32 @@ def cmd_train_drafter(args) -> int:
     return 0
 
 
+def _training_prompt_files(value: str) -> List[Path]:
+    prompts = [Path(p) for p in _comma_list(value)]
+    for prompt_file in prompts:
+        if not prompt_file.exists():
+            raise UserError(f"no prompt file {prompt_file}")
+        if prompt_file.resolve() == (Path(__file__).resolve().parents[1] / "benchmarks" / "prompts.jsonl"):
+            raise UserError("benchmarks/prompts.jsonl is the benchmark set; never train on it")
+    return prompts
+
+
+def cmd_train_fork_probe(args) -> int:
+    from .apar.probe import run_train_probe
+    from .apar.train import default_data_dir
+    from .model.default import home
+
+    if args.steps <= 0 or args.lr <= 0:
+        raise UserError("--steps and --lr must be positive")
+    prompts = _training_prompt_files(args.prompts)
+    engine = _load_engine(args)
+    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir(engine.lm)
+    features = Path(args.features) if args.features else home() / "apar-probe" / f"{data_dir.name}.npz"
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    run_train_probe(engine.lm, Path(args.adapter), prompts, data_dir, features, steps=args.steps, lr=args.lr, log=log)
+    return 0
+
+
 def cmd_train_apar(args) -> int:
     from .apar.train import AparTrainConfig, default_data_dir, run_train_apar
     from .model.default import home
@@ -377,12 +417,7 @@ def cmd_train_apar(args) -> int:
         raise UserError("--layout is tree, streams or skeleton")
     if args.layout == "skeleton" and (args.kl_weight > 0 or args.compile):
         raise UserError("--layout skeleton trains without --kl-weight and --compile (the base text is not trained)")
-    prompts = [Path(p) for p in _comma_list(args.prompts)]
-    for prompt_file in prompts:
-        if not prompt_file.exists():
-            raise UserError(f"no prompt file {prompt_file}")
-        if prompt_file.resolve() == (Path(__file__).resolve().parents[1] / "benchmarks" / "prompts.jsonl"):
-            raise UserError("benchmarks/prompts.jsonl is the benchmark set; never train on it")
+    prompts = _training_prompt_files(args.prompts)
     engine = _load_engine(args)
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir(engine.lm)
     ckpt = Path(args.checkpoint_dir) if args.checkpoint_dir else home() / "apar-checkpoints" / Path(args.output).name
@@ -533,6 +568,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-adapter", default=None,
                    help="start from this adapter's weights (same --rank/--scale/--lora-layers)")
     p.set_defaults(func=cmd_train_apar)
+
+    p = sub.add_parser("train-fork-probe", help="train an APAR adapter's fork probe (the original model decides the first fork)",
+                       description="Run the original model over its own greedy answers (the adapter's training data), "
+                                   "label every fork point by APAR's extraction rules, and fit one linear [Fork] row "
+                                   "on its final hidden state; save fork_probe.safetensors and fork_probe.json next to "
+                                   "the adapter. With it, apar decodes with the original model until the first fork.")
+    _add_model_args(p)
+    p.add_argument("--adapter", default="models/apar-smollm2-135m",
+                   help="the full APAR adapter the probe goes with (default: %(default)s)")
+    p.add_argument("--prompts", default="data/train_prompts.jsonl,data/train_prompts_extra.jsonl",
+                   help="comma list of JSON-lines prompt files (id, prompt) (default: %(default)s)")
+    p.add_argument("--data-dir", default=None,
+                   help="the model's greedy answers (default: $MLX_SPECDEC_HOME/drafter-data/<model>)")
+    p.add_argument("--features", default=None,
+                   help="cache of the hidden states (default: $MLX_SPECDEC_HOME/apar-probe/<data>.npz)")
+    p.add_argument("--steps", type=int, default=400, help="full-batch Adam steps (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=1e-2, help="learning rate (default: %(default)s)")
+    p.set_defaults(func=cmd_train_fork_probe)
 
     p = sub.add_parser("convert", help="convert a GGUF file or HF model into an MLX directory",
                        description="Convert a Llama-family GGUF file or Hugging Face model "

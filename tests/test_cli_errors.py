@@ -120,7 +120,15 @@ def test_missing_prompt_file(tiny_dir, tmp_path):
                           "none.jsonl")
 
 
-@pytest.mark.parametrize("command", ["generate", "chat", "bench", "convert", "fetch", "quantize"])
+def test_bad_apar_options(tiny_dir):
+    assert_one_line_error(cli("generate", "-m", str(tiny_dir), "-p", "hi", "--method", "apar", "--fork-probe", "maybe"),
+                          "--fork-probe is on or off, not 'maybe'")
+    assert_one_line_error(cli("bench", "-m", str(tiny_dir), "--methods", "ar,apar", "--fork-probe", "on,sometimes"),
+                          "--fork-probe is on or off, not 'sometimes'")
+    assert_one_line_error(cli("train-fork-probe", "-m", str(tiny_dir), "--steps", "0"), "--steps and --lr must be positive")
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "bench", "convert", "fetch", "quantize", "train-fork-probe"])
 def test_every_command_has_help(command):
     result = cli(command, "--help")
     assert result.returncode == 0 and "usage: mlx-specdec " + command in result.stdout

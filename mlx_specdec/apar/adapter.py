@@ -374,6 +374,13 @@ def load_apar_model(directory: Path, lm: LoadedModel, fuse: bool = True) -> Load
     if not config.tied:
         model.lm_head = ExtendedHead(model.lm_head, head_extra.astype(dtype))
     mx.eval(model.parameters())
+    if config.mode == "full":  # the original model decides the first fork, if a probe is shipped
+        from .probe import load_fork_probe
+
+        control = _control_for(config.base_vocab_size, config.convention)
+        probe = load_fork_probe(directory, lm.model, config.base_vocab_size, control.fork, control.child)
+        if probe is not None:
+            model.fork_probe = probe  # a plain attribute: not a parameter of the adapted model
     return _adapted_lm(lm, model, config)
 
 

@@ -33,6 +33,13 @@ the base model. Two rules change so that children write exactly the base model's
   model writes one where the detail ends; the parent's skeleton has the separator). That token is
   not written, as EOS is not.
 
+Fork probe (full adapters shipped with `fork_probe.safetensors`, see `apar/probe.py`; option
+`fork_probe`, on by default): until the root's first [Fork] the original model decodes (prompt
+included) and a linear row on its hidden state gives the [Fork] logit; from that [Fork] on, the
+adapted model decodes every thread. An answer that never forks is the original model's greedy
+answer, token for token; the step queued behind the first fork is dropped (it was the original
+model's).
+
 One host sync per step: the sampled tokens (every fork/finish decision needs them). While the
 host waits for them, the next step is already queued (`mx.async_eval`). Each step samples twice
 per thread, with [Fork] allowed (where the depth limit allows) and with it masked; the step's
@@ -85,13 +92,15 @@ def _cache_arrays(cache: ForkableKVCache) -> List[mx.array]:
     return [a for layer in cache.layers for a in (layer.keys, layer.values) if a is not None]
 
 
-def prefill_thread(ctx: DecodeContext, cache: ForkableKVCache, thread: int, tokens) -> None:
-    """Feed tokens to one thread of a forkable cache in chunks (no logits)."""
+def prefill_thread(ctx: DecodeContext, cache: ForkableKVCache, thread: int, tokens, model=None) -> None:
+    """Feed tokens to one thread of a forkable cache in chunks (no logits), with `model` (default:
+    the context's)."""
+    model = ctx.lm.model if model is None else model
     chunk = max(1, ctx.params.prefill_chunk)
     for start in range(0, len(tokens), chunk):
         piece = list(tokens[start : start + chunk])
         positions, mask = cache.begin_step([thread] * len(piece), allow_contiguous=True)
-        forward(ctx.lm.model, mx.array(piece)[None], cache, positions=positions, mask=mask, logits_for="none")
+        forward(model, mx.array(piece)[None], cache, positions=positions, mask=mask, logits_for="none")
         mx.eval(_cache_arrays(cache))  # deliberate sync per chunk: bounds the graph and memory of prefill
 
 
@@ -117,16 +126,21 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
     if skeleton:
         gate.value = None  # the prompt is the base model's, whatever ran before
         max_depth = min(max_depth, 1)  # the LoRA learned root skeletons only: children never fork
+    # A fork probe (`apar/probe.py`): the original model writes the prompt's KV and the root until
+    # its first [Fork], which one linear row reads off its hidden state; then the adapted model
+    # decodes every thread. An answer that never forks is the original model's, token for token.
+    probe = None if skeleton or not options.get("fork_probe", True) else getattr(model, "fork_probe", None)
+    base_phase = probe is not None
 
     prompt = ctx.prompt
     cache.new_thread(0)
-    prefill_thread(ctx, cache, 0, prompt[:-1])
+    prefill_thread(ctx, cache, 0, prompt[:-1], model=probe.model if base_phase else model)
     ctx.prefill_done_at = time.perf_counter()
     threads: Dict[int, _Thread] = {0: _Thread(0, None, 0, prompt[-1], False)}
     next_id = 1
     figures = {"steps": 0, "rows": 0, "attended": 0, "max_cached": cache.live_slots, "max_live": 1,
                "answer_tokens": 0, "control_tokens": 0, "dropped": 0,
-               "empty_children": 0}
+               "empty_children": 0, "base_tokens": 0}
 
     def report() -> None:
         P, T = len(prompt), figures["answer_tokens"]
@@ -141,6 +155,8 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
             answer_tokens=T,
             control_tokens=figures["control_tokens"],
             dropped_steps=figures["dropped"],
+            fork_probe=probe is not None,
+            base_model_tokens=figures["base_tokens"],  # written by the original model (fork probe)
             # the same answer flattened and decoded sequentially: T tokens then EOS after P prompt tokens
             flat_decode_steps=T + 1,
             flat_max_cached_tokens=P + T,
@@ -163,7 +179,11 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
         positions, mask = cache.begin_step(order, allow_contiguous=True)
         if skeleton:  # LoRA only for rows of threads that have forked; none: the plain base forward
             gate.value = mx.array(lora_on, dtype=mx.float32)[None, :, None] if any(lora_on) else None
-        logits = forward(model, tokens[None], cache, positions=positions, mask=mask, logits_for="all").logits[0]
+        if base_phase:  # the original model and the probe's [Fork] logit (only the root is live)
+            out = forward(probe.model, tokens[None], cache, positions=positions, mask=mask, logits_for="all")
+            logits = probe.logits_with_control(out.hidden[0], out.logits[0])  # (N, V + 2)
+        else:
+            logits = forward(model, tokens[None], cache, positions=positions, mask=mask, logits_for="all").logits[0]
         if processor is not None:
             logits = processor(order, logits)  # (N, V)
         may_fork = _apply_rules(logits, control, [threads[t].depth < max_depth for t in order])
@@ -202,6 +222,8 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
             if speculate and not any(threads[t].fork_child is not None for t in live):
                 live_rows = chosen[:, mx.array(rows)] if len(rows) < len(order) else chosen
                 written = mx.where(mx.array(allowed), live_rows[0], live_rows[1])  # what each writes
+                if base_phase:  # the original model has no [Fork] row: a fork drops this step anyway
+                    written = mx.where(written == control.fork, live_rows[1], written)
                 queued = (live, build_step(live, written, [threads[t].skeleton for t in live]))
                 mx.async_eval(queued[1])
             may_fork, no_fork = chosen.tolist()  # host sync (one per step), overlapped with the queued step
@@ -210,11 +232,16 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
             ends = [v in eos or (skeleton and threads[t].depth > 0 and not threads[t].skeleton and v in line_breaks)
                     for t, v in zip(live, values)]
             stats.forward_passes += 1
-            if queued is not None and skeleton and control.fork in values:
-                cache.undo_step(live)  # a skeleton fork changes the next step's rows: drop it
+            if queued is not None and (skeleton or base_phase) and control.fork in values:
+                # A skeleton fork changes the next step's rows; the probe's first fork hands over to
+                # the adapted model, which feeds the [Fork]: drop the queued step.
+                cache.undo_step(live)
                 queued = None
                 stats.forward_passes += 1  # it ran all the same
                 figures["dropped"] += 1
+            if base_phase:
+                figures["base_tokens"] += sum(v != control.fork and not e for v, e in zip(values, ends))
+                base_phase = control.fork not in values
             order = live
 
             # [Fork]s fed in this step are in the cache now: their children share the parent's path.
