@@ -5,7 +5,9 @@ what the adapted model writes greedily when it is given that thread's root path 
 contiguous sequence, no other thread in the batch), under the same rules ([Child] never sampled;
 no [Fork] right after a control token or below the depth limit).
 
-A `full` adapter changes the model everywhere, so its answer is not plain decoding's. A
+A `full` adapter changes the model, so its answer is not plain decoding's; with its fork probe
+(shipped next to it) the original model writes until the root's first [Fork], so an answer that
+never forks is plain decoding's, token for token, and a forked one starts with it. A
 `skeleton` adapter (LoRA only on a thread after it forks) must also give plain decoding's answer
 wherever the base model writes: an answer that never forks is the original model's greedy answer,
 and the first fork's child continues the original model's own greedy answer.
@@ -55,23 +57,36 @@ def tokens_of(events):
 
 
 def test_a_list_answer_forks_and_every_thread_is_its_root_path_decoded_alone(engine):
+    """Each thread's path fed alone, one token at a time on a contiguous cache: with the fork
+    probe, the original model (and the probe's [Fork] logit) up to the root's first [Fork], the
+    adapted model from it on; without one, the adapted model throughout."""
     if mode(engine) == "skeleton":
         pytest.skip("a skeleton adapter's threads: see the skeleton test below")
     lm = engine.apar_lm
+    probe = getattr(lm.model, "fork_probe", None)
     control = control_tokens_for(lm)
     events = list(engine.generate(LIST_PROMPT, "apar", GenerationParams(max_tokens=160)))
     tree = tree_from_events(events)
     assert len(tree.threads) >= 3, "the adapter should fork a list answer"
+    assert events[-1].stats.extra["fork_probe"] == (probe is not None)
     prompt = lm.encode_prompt(LIST_PROMPT)
+    root = [control.fork if isinstance(p, Fork) else p for p in tree.streams[0]]
+    switch = len(prompt) + root.index(control.fork) if probe is not None else 0  # the root's first [Fork]
     for thread in tree.threads:
         path = tree.root_path(thread, control.fork, control.child)
         stream = tree.streams[thread]
         start = len(prompt) + len(path) - len(stream)  # the first position the thread writes
         sequence = list(prompt) + path
         cache = ContiguousKVCache.for_model(lm.model)
-        forward(lm.model, mx.array(sequence[: start - 1])[None], cache, logits_for="none")
-        for i in range(start - 1, len(sequence) - 1):
-            logits = np.array(forward(lm.model, mx.array([[sequence[i]]]), cache, logits_for="last").logits[0, -1])
+        for i in range(0, len(sequence) - 1):
+            if i < switch:  # the original model's forward, and the probe's [Fork] logit
+                out = forward(probe.model, mx.array([[sequence[i]]]), cache, logits_for="last")
+                row = probe.logits_with_control(out.hidden[0, -1:], out.logits[0, -1:])[0]
+            else:
+                row = forward(lm.model, mx.array([[sequence[i]]]), cache, logits_for="last").logits[0, -1]
+            if i < start - 1:
+                continue
+            logits = np.array(row)
             logits[control.child] = -np.inf
             if sequence[i] in (control.fork, control.child) or tree.depth[thread] >= DEFAULT_MAX_DEPTH:
                 logits[control.fork] = -np.inf
@@ -84,7 +99,10 @@ def test_a_coding_answer_does_not_fork(engine):
     events = list(engine.generate(CODE_PROMPT, "apar", GenerationParams(max_tokens=96)))
     assert not any(e.kind == "thread_start" for e in events)
     assert events[-1].stats.extra["threads"] == 1
-    if mode(engine) == "skeleton":  # the base model's own answer, token for token
+    probe = getattr(engine.apar_lm.model, "fork_probe", None)
+    if mode(engine) == "skeleton" or probe is not None:  # the base model's own answer, token for token
+        if probe is not None:
+            assert events[-1].stats.extra["base_model_tokens"] == len(tokens_of(events))
         plain = list(engine.generate(CODE_PROMPT, "ar", GenerationParams(max_tokens=96)))
         assert tokens_of(events) == tokens_of(plain)
 
