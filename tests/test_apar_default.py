@@ -31,7 +31,7 @@ from mlx_specdec.model.forward import forward
 
 pytestmark = pytest.mark.slow
 
-LIST_PROMPT = "Give me 5 tips for staying healthy."
+LIST_PROMPT = "What are 5 tips for getting a better night's sleep?"  # its original answer has 'phrase:' heads
 CODE_PROMPT = "Write a Python function that checks whether a number is prime."
 
 

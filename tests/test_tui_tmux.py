@@ -181,7 +181,7 @@ def test_apar_answer_in_tmux_is_the_engines_restored_answer(tmp_path, session):
     from mlx_specdec.decoding import GenerationParams
     from mlx_specdec.engine import Engine
 
-    question, max_tokens = "Give me 5 tips for staying healthy.", 120
+    question, max_tokens = "What are 5 tips for getting a better night's sleep?", 120  # forks (phrase: heads)
     data = tmp_path / "data"
     start_app(session, data, max_tokens=max_tokens, method="apar")
     wait_screen(session, r"ready: ", timeout=300)
