@@ -54,16 +54,30 @@ def tokens_of(events, thread=None):
     return [t for e in events if e.kind == "token" and (thread is None or e.thread_id == thread) for t in e.tokens]
 
 
-def greedy_max_logits(base, steps):
-    """The base model's largest logit at each of its first `steps` greedy steps after PROMPT."""
+def greedy_path(base, steps):
+    """(largest logit, final hidden state) at each of the base model's first `steps` greedy steps."""
     cache = ContiguousKVCache.for_model(base.model)
     out = forward(base.model, mx.array(PROMPT)[None], cache, logits_for="last")
-    highs = []
+    highs, hidden = [], []
     for _ in range(steps):
         row = out.logits[0, -1]
         highs.append(float(row.max().item()))
+        hidden.append(np.array(out.hidden[0, -1]))
         out = forward(base.model, mx.argmax(row).reshape(1, 1), cache, logits_for="last")
-    return highs
+    return np.array(highs), np.stack(hidden)
+
+
+def probe_firing_at_step_two_or_later(base, weight):
+    """(bias, fire): a probe (weight, bias) that first beats the base's top logit at step fire >= 2
+    of the base's greedy path."""
+    highs, hidden = greedy_path(base, 12)
+    margin = highs - hidden @ weight  # it fires at step i iff bias > margin[i]
+    for bias in sorted(margin, reverse=True):
+        bias = float(bias) + 1e-3
+        fire = int(np.argmax(margin < bias))
+        if fire >= 2 and np.all(margin[:fire] >= bias):
+            return bias, fire
+    raise AssertionError("no bias fires at step 2 or later")
 
 
 def test_flatten_with_forks_is_the_restored_answer_with_its_fork_points():
@@ -142,13 +156,9 @@ def test_the_probes_first_fork_hands_every_thread_to_the_adapted_model(tmp_path,
     """Before the first [Fork]: the original model's logits and the probe's [Fork] logit. From the
     [Fork] on (root and children): the adapted model over the original model's prompt KV."""
     base, adapted = with_probe(tmp_path, np.zeros(64), 0.0, seed=seed, fork_boost=4.0)
-    highs = greedy_max_logits(base, 12)
-    bias = sorted(highs)[len(highs) // 2]  # fires at the first step whose top logit is below it
-    fire = next(i for i, h in enumerate(highs) if h < bias)
-    if fire < 2:
-        bias = min(highs[:2]) - 1e-3
-        fire = next(i for i, h in enumerate(highs) if h < bias)
-    save_fork_probe(tmp_path, mx.zeros((64,)), mx.array(bias), {})
+    weight = np.random.default_rng(seed).normal(0, 0.5, 64).astype(np.float32)
+    bias, fire = probe_firing_at_step_two_or_later(base, weight)
+    save_fork_probe(tmp_path, mx.array(weight), mx.array(bias), {})
     adapted = load_apar_model(tmp_path, base)
 
     runs = {}
@@ -180,6 +190,8 @@ def test_the_probes_first_fork_hands_every_thread_to_the_adapted_model(tmp_path,
     got = np.stack(seen[0])
     want = want[:len(got)]  # the last token sampled (EOS, or cut by max_tokens) was never fed
     np.testing.assert_allclose(got[:fire + 1, :V], np.stack(want[:fire + 1])[:, :V], atol=1e-4, rtol=1e-4)
+    _, hidden = greedy_path(base, fire + 1)  # the root wrote the base's greedy tokens until it forked
+    np.testing.assert_allclose(got[:fire + 1, FORK], hidden @ weight + bias, atol=1e-4, rtol=1e-4)
     assert np.all(got[:fire + 1, CHILD] == -np.inf)
     np.testing.assert_allclose(got[fire + 1:], np.stack(want[fire + 1:]), atol=1e-4, rtol=1e-4)
     child = tree.children(0)[0]
@@ -201,12 +213,23 @@ def test_a_bad_probe_file_is_one_clear_error(tmp_path):
 
 def test_sampling_with_a_probe_keeps_the_rules_and_drops_at_most_the_handover_step(tmp_path):
     base, adapted = with_probe(tmp_path, np.zeros(64), 0.0, fork_boost=4.0)
-    highs = greedy_max_logits(base, 12)
-    save_fork_probe(tmp_path, mx.zeros((64,)), mx.array(sorted(highs)[len(highs) // 2]), {})
+    highs, _ = greedy_path(base, 12)
+    save_fork_probe(tmp_path, mx.zeros((64,)), mx.array(float(np.median(highs))), {})
     adapted = load_apar_model(tmp_path, base)
+    forked = 0
     for seed in range(4):
         params = GenerationParams(max_tokens=60, temperature=1.0, seed=seed)
         events = list(stream_events(adapted, list(PROMPT), apar, params, "apar"))
         stats = events[-1].stats.extra
         assert not {FORK, CHILD} & set(restore_tokens(events))
         assert stats["dropped_steps"] == (1 if stats["threads"] > 1 else 0)
+        forked += stats["threads"] > 1
+    assert forked >= 1
+
+
+@pytest.mark.parametrize("options", [{"max_depth": 0}, {"max_threads": 1}])
+def test_a_probe_that_may_not_fork_leaves_the_answer_to_the_original_model(tmp_path, options):
+    base, adapted = with_probe(tmp_path, np.zeros(64), 1e4)  # it would fork at every step
+    events = list(stream_events(adapted, list(PROMPT), apar, GenerationParams(max_tokens=30, options=options), "apar"))
+    plain = list(stream_events(base, list(PROMPT), autoregressive, GenerationParams(max_tokens=30), "ar"))
+    assert tokens_of(events) == tokens_of(plain) and events[-1].stats.extra["threads"] == 1

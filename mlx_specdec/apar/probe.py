@@ -156,11 +156,16 @@ def answer_example(lm, prompt: Sequence[int], text: str, finished: bool, split: 
 def collect_examples(lm, answers, cache_file: Path, log: Callable[[str], None] = print) -> List[ProbeExample]:
     """Features of every answer (the base model's forward over each), cached in one .npz."""
     cache_file = Path(cache_file)
+    fingerprint = answers_fingerprint(answers)
     if cache_file.exists():
-        z = np.load(cache_file, allow_pickle=False)
-        meta = json.loads(str(z["meta"]))
-        if meta.get("answers") == len(answers) and meta.get("model") == lm.name:
-            return _unpack(z, meta)
+        try:
+            z = np.load(cache_file, allow_pickle=False)
+            meta = json.loads(str(z["meta"]))
+            if meta.get("fingerprint") == fingerprint and meta.get("model") == lm.name:
+                return _unpack(z, meta)
+        except (OSError, KeyError, ValueError):
+            pass  # unreadable or from an older layout: computed again below
+        log(f"{cache_file} holds other answers' features: computing them again")
     from tqdm import tqdm
 
     examples = []
@@ -170,8 +175,19 @@ def collect_examples(lm, answers, cache_file: Path, log: Callable[[str], None] =
         if example is not None:
             examples.append(example)
     log(f"features of {len(examples)} answers in {time.perf_counter() - t0:.0f} s")
-    _pack(examples, cache_file, {"answers": len(answers), "model": lm.name})
+    _pack(examples, cache_file, {"answers": len(answers), "model": lm.name, "fingerprint": fingerprint})
     return examples
+
+
+def answers_fingerprint(answers) -> str:
+    """crc32 of every answer's prompt, text, split and finish (the extraction rules' version is
+    in the probe module's source, hashed too): a cache made from other data is never reused."""
+    import zlib
+
+    crc = zlib.crc32(Path(__file__).with_name("extract.py").read_bytes())
+    for a in answers:
+        crc = zlib.crc32(f"{a.prompt_id}\x00{a.split}\x00{a.finished}\x00{a.text}\x01".encode(), crc)
+    return f"{len(answers)}-{crc:08x}"
 
 
 def _pack(examples: List[ProbeExample], path: Path, meta: dict) -> None:
@@ -217,6 +233,9 @@ def train_probe(examples: Sequence[ProbeExample], steps: int = 400, lr: float = 
     import mlx.optimizers as optim
 
     train = [e for e in examples if e.split == "train"]
+    if not train or not any(e.fork.any() for e in train):
+        raise UserError("the fork probe needs training answers with at least one fork point "
+                        f"({len(train)} training answers)")
     hidden = mx.array(np.concatenate([e.hidden for e in train]).astype(np.float32))
     lse = mx.array(np.concatenate([e.lse for e in train]))
     target_logit = mx.array(np.concatenate([e.target_logit for e in train]))
@@ -273,14 +292,16 @@ def evaluate_probe(weight: mx.array, bias: mx.array, examples: Sequence[ProbeExa
 def run_train_probe(lm, adapter_dir: Path, prompt_files: Sequence[Path], data_dir: Path, cache_file: Path,
                     steps: int = 400, lr: float = 1e-2, fork_weight: float = 1.0,
                     log: Callable[[str], None] = print) -> dict:
-    from .adapter import read_adapter_config
+    from .adapter import check_adapter, read_adapter_config
     from .train import load_answers
 
     t0 = time.perf_counter()
     adapter_dir = Path(adapter_dir)
     if not (adapter_dir / "adapter_config.json").exists():
         raise UserError(f"{adapter_dir}: no APAR adapter there (the probe is saved next to one)")
-    if read_adapter_config(adapter_dir).mode != "full":
+    config = read_adapter_config(adapter_dir)
+    check_adapter(config, lm, where=f"APAR adapter {adapter_dir}")  # the probe reads this model's states
+    if config.mode != "full":
         raise UserError(f"{adapter_dir}: a fork probe goes with a full adapter, not a skeleton one")
     answers = load_answers(lm, prompt_files, data_dir)
     examples = collect_examples(lm, answers, cache_file, log=log)
@@ -289,6 +310,7 @@ def run_train_probe(lm, adapter_dir: Path, prompt_files: Sequence[Path], data_di
     for e in examples:
         kinds[f"{e.split}/{e.kind}"] = kinds.get(f"{e.split}/{e.kind}", 0) + 1
     report = {
+        "model": lm.name, "dtype": lm.dtype, "bits": lm.bits,
         "data": {"data_dir": str(data_dir), "prompt_files": [str(p) for p in prompt_files],
                  "answers": kinds, "positions": int(sum(len(e.fork) for e in examples if e.split == "train")),
                  "fork_points": int(sum(e.fork.sum() for e in examples if e.split == "train"))},

@@ -37,7 +37,8 @@ Fork probe (full adapters shipped with `fork_probe.safetensors`, see `apar/probe
 `fork_probe`, on by default): until the root's first [Fork] the original model decodes (prompt
 included) and a linear row on its hidden state gives the [Fork] logit; from that [Fork] on, the
 adapted model decodes every thread. An answer that never forks is the original model's greedy
-answer, token for token; the step queued behind the first fork is dropped (it was the original
+answer, token for token (so is every answer with `max_depth` 0 or `max_threads` 1: the adapted
+model never runs); the step queued behind the first fork is dropped (it was the original
 model's).
 
 One host sync per step: the sampled tokens (every fork/finish decision needs them). While the
@@ -47,7 +48,8 @@ fork rules (thread limit, no [Fork] after a control token) are known before its 
 so the queued step is fed, in the graph, exactly what each thread writes. It stays right when a
 thread forks (it feeds [Fork] next; the child joins the step after) or ends (its row is wasted,
 its slot freed with it); it is dropped (`ForkableKVCache.undo_step`) and rebuilt only on a
-skeleton adapter's fork. Option `speculate=False` turns this off. The threads write the same
+skeleton adapter's fork and on the fork probe's first fork (the queued step ran on the original
+model). Option `speculate=False` turns this off. The threads write the same
 tokens either way up to float rounding: a queued step takes fresh slots where a step built after
 a thread ended would reuse the freed ones, which reorders the attention sums (~1e-7 in float32).
 The tests' models and the 40 list bench prompts gave the same tokens. When the last thread ends,
@@ -193,9 +195,10 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
     # tokens, the next step is already queued, every thread feeding what it writes now (row 0 or
     # row 1 by this step's fork rules, chosen in the graph). That is the right next step for every
     # thread that goes on, a forking one included (it feeds [Fork] next; its child joins the step
-    # after). A thread that ends wasted one row of it, its slot freed with the thread. Skeleton
-    # adapters are the exception: a fork starts the child at once and turns the parent's LoRA on,
-    # so the queued step is dropped (`undo_step`) and rebuilt. A stateful logits processor (the
+    # after). A thread that ends wasted one row of it, its slot freed with the thread. Two
+    # exceptions drop the queued step (`undo_step`) and rebuild it: a skeleton adapter's fork (it
+    # starts the child at once and turns the parent's LoRA on) and the fork probe's first fork
+    # (the queued step ran on the original model; the adapted model feeds the [Fork]). A stateful logits processor (the
     # tests' script) would see a dropped step: no speculation then.
     speculate = bool(options.get("speculate", True)) and processor is None
     queued = None  # (order, chosen) of a step built before the previous step's tokens were read
