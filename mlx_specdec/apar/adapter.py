@@ -377,8 +377,7 @@ def load_apar_model(directory: Path, lm: LoadedModel, fuse: bool = True) -> Load
     if config.mode == "full":  # the original model decides the first fork, if a probe is shipped
         from .probe import load_fork_probe
 
-        control = _control_for(config.base_vocab_size, config.convention)
-        probe = load_fork_probe(directory, lm.model, config.base_vocab_size, control.fork, control.child)
+        probe = load_fork_probe(directory, lm.model)  # [Fork], [Child] = V, V + 1 (`_control_for`)
         if probe is not None:
             model.fork_probe = probe  # a plain attribute: not a parameter of the adapted model
     return _adapted_lm(lm, model, config)

@@ -57,7 +57,7 @@ class ForkProbe:
 
     def logits_with_control(self, hidden: mx.array, logits: mx.array) -> mx.array:
         """(N, V) base logits -> (N, V + 2): [Fork] = the probe, [Child] = -inf (never sampled).
-        The adapter's ids are V and V + 1 (`load_fork_probe` checks it)."""
+        The adapter's ids are V and V + 1 (project convention: `adapter._control_for`)."""
         logits = logits.astype(mx.float32)
         child = mx.full((logits.shape[0], 1), -float("inf"), dtype=mx.float32)
         return mx.concatenate([logits, self.fork_logit(hidden)[:, None], child], axis=-1)
@@ -70,15 +70,12 @@ def save_fork_probe(directory: Path, weight: mx.array, bias: mx.array, report: d
     (directory / PROBE_REPORT).write_text(json.dumps(report, indent=1) + "\n")
 
 
-def load_fork_probe(directory: Path, base_model: nn.Module, base_vocab: int, fork_id: int,
-                    child_id: int) -> Optional[ForkProbe]:
-    """The probe shipped next to an adapter, or None. One-line errors on a bad file."""
+def load_fork_probe(directory: Path, base_model: nn.Module) -> Optional[ForkProbe]:
+    """The probe shipped next to a (project-convention) adapter, whose [Fork], [Child] ids are
+    the vocabulary size and the next one; None if there is none. One-line errors on a bad file."""
     path = Path(directory) / PROBE_FILE
     if not path.exists():
         return None
-    if (fork_id, child_id) != (base_vocab, base_vocab + 1):
-        raise UserError(f"{path}: a fork probe needs [Fork], [Child] right after the vocabulary "
-                        f"({base_vocab}, {base_vocab + 1}), not {fork_id}, {child_id}")
     try:
         arrays = mx.load(str(path))
         weight, bias = arrays["weight"], arrays["bias"]
@@ -180,8 +177,8 @@ def collect_examples(lm, answers, cache_file: Path, log: Callable[[str], None] =
 
 
 def answers_fingerprint(answers) -> str:
-    """crc32 of every answer's prompt, text, split and finish (the extraction rules' version is
-    in the probe module's source, hashed too): a cache made from other data is never reused."""
+    """crc32 of the extraction rules' source (`extract.py`) and of every answer's prompt id, split,
+    finish and text: a cache made from other data or other rules is never reused."""
     import zlib
 
     crc = zlib.crc32(Path(__file__).with_name("extract.py").read_bytes())
