@@ -34,6 +34,11 @@ def check_method(method: str) -> None:
 MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
 
 
+def apar_adapter_spec(value: str) -> Optional[str]:
+    """--apar-adapter as Engine.load takes it: 'auto', a directory, or None for 'none'."""
+    return None if value == "none" else value
+
+
 class Engine:
     def __init__(self, lm: LoadedModel, drafter: Optional[str] = "auto",
                  apar_adapter: Optional[str] = "auto"):

@@ -17,7 +17,7 @@ from typing import List
 
 import mlx_specdec  # noqa: F401  (preloads BLAS before mlx)
 
-from mlx_specdec.errors import UserError
+from mlx_specdec.errors import UserError, run_guarded
 
 DEFAULT_PROMPT = "Give three tips for staying focused while studying."
 
@@ -114,8 +114,6 @@ def run_quantize(args) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m quantize.run", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    from mlx_specdec.cli import run_guarded
-
     return run_guarded(run_quantize, parser.parse_args(argv))
 
 

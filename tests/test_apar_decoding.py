@@ -356,7 +356,7 @@ def test_answer_nll_is_the_mean_teacher_forced_nll_of_the_answer():
 
 
 def test_plain_printer_prints_apars_restored_answer_and_keeps_unfinished_threads(capsys):
-    from mlx_specdec.cli import AnswerPrinter
+    from mlx_specdec.cli.printer import AnswerPrinter
     from mlx_specdec.decoding.base import Event
 
     lm = make_apar_lm()

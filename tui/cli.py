@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from mlx_specdec.cli import apar_adapter_spec
+from mlx_specdec.engine import apar_adapter_spec
 from mlx_specdec.errors import UserError
 
 
@@ -19,7 +19,8 @@ def run_chat(args, params) -> int:
     settings = {"max_tokens": params.max_tokens, "temperature": params.temperature,
                 "top_p": params.top_p, "seed": params.seed, **params.options}
     settings.pop("profile", None)
-    app = ChatApp(loader=real_loader(args.model, args.dtype, args.drafter, apar_adapter_spec(args)),
+    adapter = apar_adapter_spec(getattr(args, "apar_adapter", "auto"))
+    app = ChatApp(loader=real_loader(args.model, args.dtype, args.drafter, adapter),
                   db_path=Path(args.db).expanduser() if args.db else None,
                   method=args.method, settings=settings, model_label=args.model,
                   export_dir=Path(args.export_dir).expanduser() if args.export_dir else None,

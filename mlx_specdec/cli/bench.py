@@ -1,0 +1,80 @@
+"""`mlx-specdec bench`: run every method on the same prompts and compare with plain decoding."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..errors import UserError
+from .args import (METHODS_HELP, _add_method_args, _add_model_args, _comma_list, _nonnegative_int, _on_off,
+                   _positive_int, load_engine)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="compare methods on a prompt set",
+                       description="Run every method on the same prompts and compare with plain "
+                                   "decoding (ar): speed-up, tokens per forward, identical output.")
+    _add_model_args(p)
+    p.add_argument("--methods", default="ar,mlx-lm",
+                   help=f"comma list of methods: {METHODS_HELP} (default: %(default)s)")
+    _add_method_args(p, lists=True)
+    p.add_argument("--prompts", default=None,
+                   help="FastChat question file (JSON lines) or text file, one prompt a line "
+                        "(default: benchmarks/prompts.jsonl)")
+    p.add_argument("--categories", default=None, help="comma list of categories to keep")
+    p.add_argument("--shapes", default=None,
+                   help="comma list of answer shapes to keep (list, paragraphs, code, math); with "
+                        "--categories, a prompt is kept if it matches either")
+    p.add_argument("--limit", type=int, default=None, help="use the first K prompts")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens per answer (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=1, help="repeat the whole run R times (default: 1)")
+    p.add_argument("--temp", type=float, default=0.0, help="temperature (default: greedy)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--format", default="md", help="md, json or csv (default: md)")
+    p.add_argument("--output", "-o", default=None, help="write the report here (default: stdout)")
+    p.add_argument("--plot", default=None, metavar="PATH.png",
+                   help="also draw decode tok/s and speed-up over ar per method and prompt category (matplotlib)")
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args) -> int:
+    from ..bench import expand_configs, load_prompts, plot_bench, print_summary, render, run_bench
+    from ..decoding import GenerationParams
+
+    methods = _comma_list(args.methods)
+    redrafter_grid = {}
+    if args.beam_width:
+        redrafter_grid["beam_width"] = [_positive_int(v, "--beam-width") for v in _comma_list(args.beam_width)]
+    if args.beam_length:
+        redrafter_grid["beam_length"] = [_positive_int(v, "--beam-length") for v in _comma_list(args.beam_length)]
+    if args.profile:
+        redrafter_grid["profile"] = [True]
+    apar_grid = {}
+    if args.max_threads:
+        apar_grid["max_threads"] = [_positive_int(v, "--max-threads") for v in _comma_list(args.max_threads)]
+    if args.max_depth:
+        apar_grid["max_depth"] = [_nonnegative_int(v, "--max-depth") for v in _comma_list(args.max_depth)]
+    if args.fork_probe:
+        apar_grid["fork_probe"] = [_on_off(v, "--fork-probe") for v in _comma_list(args.fork_probe)]
+    configs = expand_configs(methods, {"redrafter": redrafter_grid, "apar": apar_grid})
+    prompts = load_prompts(args.prompts, limit=args.limit,
+                           categories=_comma_list(args.categories) if args.categories else None,
+                           shapes=_comma_list(args.shapes) if args.shapes else None)
+    if args.format not in ("md", "json", "csv"):
+        raise UserError(f"unknown format {args.format!r} (choose md, json or csv)")
+    if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise UserError(f"--plot writes .png, .svg or .pdf, not {args.plot!r}")
+    engine = load_engine(args)
+    params = GenerationParams(max_tokens=args.max_tokens, temperature=args.temp, seed=args.seed)
+    result = run_bench(engine, prompts, configs, params, repeats=args.repeats)
+    text = render(result, args.format)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(text)
+        print_summary(result)
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    if args.plot:
+        print(f"wrote {plot_bench(result, Path(args.plot))}", file=sys.stderr)
+    return 0

@@ -1,0 +1,258 @@
+"""The app's two thread workers and the UI-thread handlers of what they post, as mixins of `ChatApp`.
+
+The model loads in a thread worker (`LoadingMixin._load`) that reports its stages as
+`LoadProgress` messages; each answer is generated in a thread worker (`GenerationMixin._generate`)
+that posts one `GenEvent` per engine event and a `GenFinished` at the end. The workers never touch
+widgets or the store: the `on_*` handlers below run on the UI thread, which alone does, so what is
+saved is exactly what is shown. Both workers hold the app's engine lock while they use the engine.
+Esc stops an answer at once: the UI marks it stopped and ignores the worker's later messages; the
+worker closes the engine's stream at its next event (the engine rolls its cache back).
+
+The mixins keep no state of their own: they use the attributes `ChatApp.__init__` sets and its
+`status`, `chat` and `panes` widgets. Textual finds their `on_*` handlers through the app's MRO.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+from textual.css.query import NoMatches
+from textual.widgets import ProgressBar, Static
+
+from .hints import error_line, hint_for
+from .messages import EngineReady, GenEvent, GenFinished, Generation, LoadFailed, LoadProgress
+from .screens import METHOD_OPTIONS
+from .stream import StreamState, default_restore
+from .widgets import MessageView
+
+Loader = Callable[[Callable[[str, int, int], None]], object]
+
+
+def make_params(settings: dict, method: str):
+    from mlx_specdec.decoding.base import GenerationParams
+
+    options = {k: settings[k] for k in METHOD_OPTIONS.get(method, ()) if settings.get(k) is not None}
+    return GenerationParams(max_tokens=int(settings.get("max_tokens", 512)),
+                            temperature=float(settings.get("temperature", 0.0)),
+                            top_p=float(settings.get("top_p", 1.0)), seed=settings.get("seed"),
+                            options=options)
+
+
+def engine_decoder(engine) -> Optional[Callable[[List[int]], str]]:
+    decode = getattr(engine, "decode", None)
+    if callable(decode):
+        return decode
+    tokenizer = getattr(getattr(engine, "lm", None), "tokenizer", None)
+    return getattr(tokenizer, "decode", None)
+
+
+def real_loader(model: str = "default", dtype: str = "auto", drafter: Optional[str] = "auto",
+                apar_adapter: Optional[str] = "auto") -> Loader:
+    """Load the engine in stages (fetch/convert the default model once, then load weights)."""
+
+    def load(progress: Callable[[str, int, int], None]):
+        from mlx_specdec.engine import Engine
+
+        if model in (None, "", "default", "default-f16", "default-4bit"):
+            from mlx_specdec.model.default import default_model_dir, ensure_default_model
+
+            variant = "4bit" if model == "default-4bit" else "f16"
+            if not (default_model_dir(variant) / "config.json").exists():
+                progress("downloading and converting the default model (once, 93 MB)", 0, 4)
+            ensure_default_model(variant, quiet=True)
+        progress(f"loading {model} weights", 1, 4)
+        return Engine.load(model, dtype=dtype, drafter=drafter, apar_adapter=apar_adapter)
+
+    return load
+
+
+class LoadingMixin:
+    """Loads the engine (and measures the plain speed once) off the UI thread."""
+
+    # -- loading (thread worker) ------------------------------------------------------------
+    def _load(self) -> None:
+        def progress(stage: str, step: int, total: int) -> None:
+            self.post_message(LoadProgress(stage, step, total))
+
+        try:
+            engine = self._engine_given if self._engine_given is not None else self._loader(progress)
+            baseline = self.baseline
+            if self._measure_baseline:
+                from mlx_specdec.decoding.base import GenerationParams
+
+                from .baseline import cached_plain_speed, plain_speed
+
+                if cached_plain_speed(engine, self.home) is None:
+                    progress("measuring the model's plain speed on this machine (once)", 3, 4)
+                try:
+                    with self._engine_lock:
+                        baseline = plain_speed(engine, self.home, GenerationParams)
+                except Exception:  # noqa: BLE001 - no speed-up figure, but a working chat
+                    baseline = None
+            progress("ready", 4, 4)
+            self.post_message(EngineReady(engine, baseline))
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a notification
+            self.post_message(LoadFailed(error_line(exc), hint_for(exc)))
+
+    def on_load_progress(self, message: LoadProgress) -> None:
+        self.load_stage = message.stage
+        self.query_one("#load-stage", Static).update(f"{message.stage}…")
+        self.query_one("#load-bar", ProgressBar).update(total=message.total, progress=message.step)
+        self.status.show_text(f"{self.model_label}: {message.stage}…")
+
+    def on_engine_ready(self, message: EngineReady) -> None:
+        self.engine = message.engine
+        if self._restore_given is None:
+            self.restore = default_restore(self.engine)
+        self.baseline = message.baseline or None
+        self.query_one("#load-box").remove_class("-loading")
+        lm = getattr(self.engine, "lm", None)
+        self.model_label = lm.describe() if hasattr(lm, "describe") else self.model_label
+        self.update_header()
+        plain = f" · plain speed {self.baseline:.1f} tok/s" if self.baseline else ""
+        self.status.show_text(f"ready: {self.model_label}{plain}")
+        if self._pending is not None:
+            text, self._pending = self._pending, None
+            self.ask(text)
+
+    def on_load_failed(self, message: LoadFailed) -> None:
+        self.query_one("#load-box").remove_class("-loading")
+        self.load_stage = "failed"
+        self.status.show_text(f"model not loaded: {message.error}")
+        self.notify(f"{message.error}\n{message.hint}", title="Cannot load the model",
+                    severity="error", timeout=30)
+
+
+class GenerationMixin:
+    """Writes one answer at a time: starts the worker, shows and saves its events, finishes or stops it."""
+
+    # -- asking -----------------------------------------------------------------------------
+    def ask(self, text: str) -> None:
+        conv = self.store.conversation(self.conversation.id)
+        history = [{"role": m.role, "content": m.content} for m in self.store.messages(conv.id)
+                   if m.content and m.role in ("user", "assistant")]
+        if not history:
+            title = text.splitlines()[0][:48]
+            self.store.update_conversation(conv.id, title=title)
+            conv.title = title
+            self.conversation = conv
+        self.store.add_message(conv.id, "user", text)
+        self.chat.add(MessageView("user", text))
+        history.append({"role": "user", "content": text})
+        message_id = self.store.add_message(conv.id, "assistant", "", status="streaming", method=conv.method)
+        view = self.chat.add(MessageView("assistant", message_id=message_id, method=conv.method,
+                                         status="streaming", segments=[]))
+        self._gen_ids += 1
+        state = StreamState(conv.method, decode=engine_decoder(self.engine), restore=self.restore,
+                            baseline_tps=self.baseline)
+        gen = Generation(self._gen_ids, conv.id, message_id, conv.method, dict(conv.settings), state, view=view)
+        self.current = gen
+        self.panes.reset()
+        self.update_header()
+        self.refresh_list()
+        self.status.show_state(state, conv.method, self.baseline, "prefill")
+        try:
+            params = make_params({**self.default_settings, **conv.settings}, conv.method)
+        except (TypeError, ValueError) as exc:
+            self.post_message(GenFinished(gen.id, f"bad settings: {exc}", "Fix them with Ctrl+O."))
+            return
+        self.run_worker(lambda: self._generate(gen, history, params), thread=True, group="generate",
+                        name=f"answer {gen.id}")
+
+    def _generate(self, gen: Generation, history: List[dict], params) -> None:
+        """Thread worker: one engine stream -> one message per event. Holds the engine lock, so a
+        new answer waits for a stopped one to close its stream."""
+        with self._engine_lock:
+            if gen.cancel.is_set():
+                self.post_message(GenFinished(gen.id))
+                return
+            stream = None
+            try:
+                stream = self.engine.chat(history, method=gen.method, params=params)
+                for event in stream:
+                    if gen.cancel.is_set():
+                        break
+                    self.post_message(GenEvent(gen.id, event))
+                self.post_message(GenFinished(gen.id))
+            except Exception as exc:  # noqa: BLE001 - shown as a notification, never a crash
+                self.post_message(GenFinished(gen.id, error_line(exc), hint_for(exc)))
+            finally:
+                close = getattr(stream, "close", None)
+                if close is not None:
+                    try:
+                        close()  # runs the strategy's `finally`: its cache rolls back
+                    except Exception:  # noqa: BLE001
+                        pass
+
+    def on_gen_event(self, message: GenEvent) -> None:
+        gen = self.current
+        if gen is None or gen.finished or message.gen_id != gen.id:
+            return  # a stopped answer's late events
+        state = gen.state
+        change = state.feed(message.event)
+        if change.done:
+            self.finish(gen, "done")
+            return
+        self.store.update_message(gen.message_id, content=state.answer(), marks=state.marks(),
+                                  threads=state.thread_record() if state.forked else None)
+        if self.conversation is None or self.conversation.id != gen.conversation_id:
+            return  # saved; another conversation is on screen
+        try:
+            self._show_change(gen, change)
+        except NoMatches:  # the app is closing: the answer is saved above, the widgets are gone
+            pass
+
+    def _show_change(self, gen: Generation, change) -> None:
+        state = gen.state
+        panes = self.panes
+        for tid in change.opened:
+            panes.open(state.threads[tid], state)
+        for tid in change.updated:
+            panes.update_thread(tid)
+        for tid in change.closed:
+            panes.close(tid)
+        if state.forked:
+            panes.describe(state)
+        if gen.view is not None and gen.view.is_attached:
+            gen.view.set_stream(state.answer_segments())
+            self.chat.follow()
+        self.status.show_state(state, gen.method, self.baseline, "writing")
+
+    def on_gen_finished(self, message: GenFinished) -> None:
+        gen = self.current
+        if gen is None or gen.finished or message.gen_id != gen.id:
+            return
+        if message.error:
+            self.finish(gen, "error", note=message.error)
+            self.notify(f"{message.error}\n{message.hint}", title="The answer failed", severity="error",
+                        timeout=20)
+        else:
+            self.finish(gen, "stopped")
+
+    def finish(self, gen: Generation, status: str, note: str = "") -> None:
+        gen.finished = True
+        gen.status = status
+        state = gen.state
+        summary = " · ".join(x for x in (note, state.summary_line() if state.tokens else "") if x)
+        self.store.update_message(gen.message_id, content=state.answer(), status=status, marks=state.marks(),
+                                  threads=state.thread_record() if state.forked else None,
+                                  stats={**state.figures(), "line": summary})
+        self.last = gen
+        self.current = None
+        try:
+            if gen.view is not None and gen.view.is_attached:
+                gen.view.set_stream(state.answer_segments(), status=status, summary=summary)
+                self.chat.follow()
+            if self.conversation is not None and self.conversation.id == gen.conversation_id:
+                self.panes.reset()
+                self.status.show_state(state, gen.method, self.baseline, status)
+        except NoMatches:  # the app is closing
+            pass
+
+    def _cancel(self, gen: Generation) -> None:
+        """The worker closes the engine's stream at its next event; an engine with a `cancel()`
+        hook (the fake one) is also told to let go of a step it is blocked in."""
+        gen.cancel.set()
+        hook = getattr(self.engine, "cancel", None)
+        if callable(hook):
+            hook()
