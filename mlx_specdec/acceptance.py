@@ -35,18 +35,31 @@ class Accepted(NamedTuple):
     next_token: mx.array  # () the target's own token after them (bonus or resampled)
 
 
+def sampling_logits(logprobs: mx.array, temperature: float, top_p: float = 1.0) -> mx.array:
+    """(..., V) log-probabilities at T = 1 -> the logits plain sampling (`ar`) draws from.
+
+    Exactly mlx-lm's sampler (`make_sampler(temp, top_p)`), written once for every method:
+        1. the nucleus is cut on the T = 1 distribution (mlx-lm's `apply_top_p`: the fewest
+           most-likely tokens whose mass reaches top_p, ties at the threshold kept); the rest -> -inf
+        2. what is left is scaled by 1/T and drawn from: p(x) ∝ exp(logit(x) / T) on the nucleus.
+    The order matters: cutting after dividing by T (T > 1 flattens p) keeps a wider nucleus."""
+    if 0.0 < top_p < 1.0:
+        from mlx_lm.sample_utils import apply_top_p
+
+        logprobs = apply_top_p(logprobs, top_p)
+    return logprobs * (1.0 / temperature)
+
+
 def target_probs(logits: mx.array, temperature: float, top_p: float = 1.0) -> mx.array:
-    """The distribution plain sampling draws from: softmax(logits / T), then top-p as mlx-lm."""
-    probs = mx.softmax(logits.astype(mx.float32) / temperature, axis=-1)
-    if top_p < 1.0:
-        # mlx-lm's rule: keep the tokens whose ascending cumulative probability exceeds 1 - top_p.
-        order = mx.argsort(probs, axis=-1)
-        sorted_probs = mx.take_along_axis(probs, order, axis=-1)
-        keep_sorted = mx.cumsum(sorted_probs, axis=-1) > 1 - top_p
-        keep = mx.put_along_axis(mx.zeros_like(keep_sorted), order, keep_sorted, axis=-1)
-        probs = mx.where(keep, probs, 0.0)
-        probs = probs / probs.sum(axis=-1, keepdims=True)
-    return probs
+    """The distribution plain sampling draws from (`sampling_logits`), as probabilities (float32)."""
+    logits = logits.astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return mx.softmax(sampling_logits(logprobs, temperature, top_p), axis=-1)
+
+
+def sample_token(logprobs: mx.array, temperature: float, top_p: float = 1.0) -> mx.array:
+    """Draw from `sampling_logits` (what `ar` does at temperature > 0)."""
+    return mx.random.categorical(sampling_logits(logprobs, temperature, top_p))
 
 
 def greedy_accept(beams: mx.array, beam_logits: mx.array) -> Accepted:

@@ -6,6 +6,10 @@ import numpy as np
 import pytest
 
 from mlx_specdec.acceptance import greedy_accept, sampling_accept, target_probs
+from mlx_specdec.decoding import GenerationParams
+from mlx_specdec.decoding.base import make_sampler
+
+from conftest import make_tiny_llama
 
 # chi-square critical values at p = 0.001 (df -> value); a correct sampler fails 1 in 1000 seeds
 CHI2_CRITICAL_001 = {2: 13.82, 3: 16.27, 4: 18.47}
@@ -35,6 +39,55 @@ def test_target_probs_top_p_keeps_the_nucleus():
     probs = np.array(target_probs(logits, 1.0, top_p=0.75))
     np.testing.assert_allclose(probs, [0.5 / 0.8, 0.3 / 0.8, 0, 0], atol=1e-6)
     np.testing.assert_allclose(np.array(target_probs(logits, 1.0)), [0.5, 0.3, 0.15, 0.05], atol=1e-6)
+
+
+def nucleus_reference(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
+    """mlx-lm's sampling rule written out in numpy (independent of the code under test): the
+    nucleus is the fewest most-likely tokens, at T = 1, whose mass reaches top_p (every token as
+    likely as the last one kept stays too); the draw is softmax(logits / T) over the nucleus."""
+    logits = logits.astype(np.float64)
+    p1 = np.exp(logits - logits.max())
+    p1 /= p1.sum()
+    desc = np.sort(p1)[::-1]
+    mass_before = np.cumsum(desc) - desc
+    threshold = desc[mass_before < top_p].min()
+    scaled = np.where(p1 >= threshold * (1 - 1e-6), logits / temperature, -np.inf)
+    out = np.exp(scaled - scaled.max())
+    return out / out.sum()
+
+
+def flat_tiny_logits(prompt=(5, 17, 42, 3)) -> mx.array:
+    """(V,) next-token logits of a tiny random Llama at its plain init scale (the shared tiny
+    models scale embeddings x8 so the argmax is clear; here the nucleus should hold many tokens)."""
+    model = make_tiny_llama(seed=1)
+    model.model.embed_tokens.weight = model.model.embed_tokens.weight / 8
+    return model(mx.array(prompt)[None])[0, -1]
+
+
+def test_target_probs_is_the_distribution_ar_samples_at_t_ne_1_with_top_p():
+    """T = 2, top-p 0.5: the nucleus is cut on the T = 1 distribution, then T flattens it (the
+    other order keeps a wider nucleus: 29 tokens against 17 here before the fix)."""
+    logits = flat_tiny_logits()
+    want = nucleus_reference(np.array(logits), 2.0, 0.5)
+    got = np.array(target_probs(logits, 2.0, top_p=0.5))
+    assert int((got > 0).sum()) == int((want > 0).sum())
+    np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(2.0, 0.5), (0.7, 0.9), (1.0, 1.0)])
+def test_ar_draws_exactly_what_mlx_lm_draws(temperature, top_p):
+    """`ar`'s sampler (built from the one rule) draws mlx-lm's tokens at the same seed."""
+    from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
+
+    logits = mx.stack([flat_tiny_logits((5, 17, 42, t)) for t in range(12)])  # (12, V)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    ours = make_sampler(GenerationParams(temperature=temperature, top_p=top_p))
+    theirs = mlx_lm_make_sampler(temp=temperature, top_p=top_p)
+    for seed in range(20):
+        mx.random.seed(seed)
+        a = ours(logprobs).tolist()
+        mx.random.seed(seed)
+        assert a == theirs(logprobs).tolist()
 
 
 VOCAB = 4

@@ -189,31 +189,38 @@ def test_only_redrafter_decodes_batches():
         Engine(make_tiny_lm(), drafter=None).generate_ids_batch([[5], [6]], "ar")
 
 
-def test_sampling_redrafter_samples_the_models_distribution():
-    """End to end at temperature 1: the second token (produced by draft-verify-accept: an accepted
-    draft, a resample or a bonus token) follows the model's own marginal distribution
-    P(t2) = sum_t1 p(t1) p(t2 | t1) (chi-square, about p = 0.001)."""
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (2.0, 0.3)])
+def test_sampling_redrafter_samples_the_models_distribution(temperature, top_p):
+    """End to end: the second token (produced by draft-verify-accept: an accepted draft, a
+    resample or a bonus token) follows the marginal of plain sampling (mlx-lm's rule: nucleus cut
+    at T = 1, then softmax(logits / T) over it) P(t2) = sum_t1 p(t1) p(t2 | t1) (chi-square,
+    about p = 0.001). At T = 2 with top-p < 1 a nucleus cut after the temperature keeps tokens
+    plain sampling never draws."""
+    from test_acceptance import nucleus_reference
+
     lm = make_tiny_lm(seed=3, eos_id=96)
     engine = engine_with(lm, oracle_head(lm, PROMPTS, corrupt=0.5))
     prompt = PROMPTS[0]
     seconds = []
     for seed in range(800):
-        tokens, _ = run(engine, prompt, "redrafter", max_tokens=2, temperature=1.0, seed=seed,
-                        options={"beam_width": 2, "beam_length": 3})
+        tokens, _ = run(engine, prompt, "redrafter", max_tokens=2, temperature=temperature, top_p=top_p,
+                        seed=seed, options={"beam_width": 2, "beam_length": 3})
         if not tokens:  # the first token was EOS: no second token
             continue
         seconds.append(tokens[1] if len(tokens) > 1 else 96)  # a 1-token answer ended with EOS (96)
     model = lm.model
-    p_first = np.array(mx.softmax(model(mx.array(prompt)[None])[0, -1]))
+    p_first = nucleus_reference(np.array(model(mx.array(prompt)[None])[0, -1]), temperature, top_p)
     p_first[96] = 0.0  # runs that start with EOS were skipped
     p_first /= p_first.sum()
     batch = mx.array([prompt + [t] for t in range(97)])
-    p_second = np.array(mx.softmax(model(batch)[:, -1], axis=-1))  # (97, 97): p(t2 | t1)
+    second_logits = np.array(model(batch)[:, -1])  # (97, V): logits of t2 given t1
+    p_second = np.stack([nucleus_reference(row, temperature, top_p) for row in second_logits])
     expected = (p_first[:, None] * p_second).sum(0) * len(seconds)
     observed = np.bincount(seconds, minlength=97).astype(float)
+    assert observed[expected == 0].sum() == 0, "drew a token outside plain sampling's nucleus"
     big = expected >= 5  # pool the rare tokens into one cell
     obs, exp = observed[big], expected[big]
-    if (~big).any():
+    if (~big).any() and expected[~big].sum() > 0:
         obs, exp = np.append(obs, observed[~big].sum()), np.append(exp, expected[~big].sum())
     chi2 = float(((obs - exp) ** 2 / exp).sum())
     df = len(obs) - 1

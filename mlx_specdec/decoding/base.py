@@ -18,6 +18,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from ..acceptance import sample_token
 from ..cache import ContiguousKVCache
 from ..errors import ContextOverflow
 from ..model.forward import forward
@@ -134,10 +135,13 @@ class DecodeContext:
     prompts: List[List[int]] = field(default_factory=list)  # a batch: one prompt per row (thread)
 
 
-def make_sampler(params: GenerationParams):
-    from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
-
-    return mlx_lm_make_sampler(temp=params.temperature, top_p=params.top_p)
+def make_sampler(params: GenerationParams) -> Callable[[mx.array], mx.array]:
+    """log-probs -> token: argmax when greedy, else a draw from `acceptance.sampling_logits`, the
+    one target distribution every speculative method accepts against (mlx-lm's sampler's rule)."""
+    if params.greedy:
+        return lambda logprobs: mx.argmax(logprobs, axis=-1)
+    temperature, top_p = params.temperature, params.top_p
+    return lambda logprobs: sample_token(logprobs, temperature, top_p)
 
 
 def prefill(ctx: DecodeContext, cache, tokens: Sequence[int]) -> None:

@@ -68,7 +68,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     def own_token(logits: mx.array) -> mx.array:  # (B, V) -> (B,) the target's own choice
         if greedy:
             return mx.argmax(logits, axis=-1)
-        return mx.random.categorical(mx.log(target_probs(logits, params.temperature, params.top_p)))
+        return ctx.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))  # as `ar` draws
 
     def accept(beams: mx.array, beam_logits: mx.array, drafts: Drafts) -> Accepted:
         if greedy:
