@@ -8,8 +8,9 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_specdec.apar import control_tokens_for
-from mlx_specdec.apar.adapter import (AdapterMismatch, LoraSettings, find_shipped_adapter, load_apar_model,
-                                      prepare_for_training, save_adapter, trainable_weights)
+from mlx_specdec.apar.adapter import (find_shipped_adapter, load_apar_model, prepare_for_training, save_adapter,
+                                      trainable_weights)
+from mlx_specdec.apar.config import AdapterMismatch, LoraSettings
 from mlx_specdec.decoding import GenerationParams
 from mlx_specdec.engine import Engine
 from mlx_specdec.model.forward import forward

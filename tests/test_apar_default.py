@@ -21,7 +21,7 @@ import pytest
 
 from mlx_specdec.apar import control_tokens_for, tree_from_events
 from mlx_specdec.apar.tokens import newline_token_ids
-from mlx_specdec.apar.train import set_lora_gate
+from mlx_specdec.apar.losses import set_lora_gate
 from mlx_specdec.apar.tree import Fork
 from mlx_specdec.cache import ContiguousKVCache
 from mlx_specdec.decoding import GenerationParams

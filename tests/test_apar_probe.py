@@ -9,7 +9,8 @@ import pytest
 from mlx.utils import tree_unflatten
 
 from mlx_specdec.apar import ParagraphTree, restore_tokens, tree_from_events
-from mlx_specdec.apar.adapter import LoraSettings, load_apar_model, prepare_for_training, save_adapter, trainable_weights
+from mlx_specdec.apar.adapter import load_apar_model, prepare_for_training, save_adapter, trainable_weights
+from mlx_specdec.apar.config import LoraSettings
 from mlx_specdec.apar.probe import (PROBE_FILE, ProbeExample, evaluate_probe, flatten_with_forks, probe_loss,
                                     save_fork_probe)
 from mlx_specdec.cache import ContiguousKVCache

@@ -11,9 +11,10 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_specdec.apar import ParagraphTree, control_tokens_for, tree_from_events
-from mlx_specdec.apar.adapter import (LoraSettings, load_apar_model, prepare_for_training, read_adapter_config,
-                                      save_adapter, trainable_weights)
-from mlx_specdec.apar.train import layout_skeleton, lora_gates, sequence_loss, set_lora_gate, collate
+from mlx_specdec.apar.adapter import load_apar_model, prepare_for_training, save_adapter, trainable_weights
+from mlx_specdec.apar.config import LoraSettings, read_adapter_config
+from mlx_specdec.apar.losses import sequence_loss, set_lora_gate
+from mlx_specdec.apar.samples import collate, layout_skeleton, lora_gates
 from mlx_specdec.apar.tree import Fork
 from mlx_specdec.decoding import GenerationParams, stream_events
 from mlx_specdec.decoding.apar import apar

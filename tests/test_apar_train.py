@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 
 from mlx_specdec.apar import ControlTokens, ParagraphTree
-from mlx_specdec.apar.adapter import LoraSettings, prepare_for_training, trainable_weights
+from mlx_specdec.apar.adapter import prepare_for_training, save_adapter, trainable_weights
+from mlx_specdec.apar.config import LoraSettings
+from mlx_specdec.apar.evaluate import evaluate
 from mlx_specdec.apar.extract import extract
-from mlx_specdec.apar.adapter import save_adapter
-from mlx_specdec.apar.train import (AparTrainConfig, base_log_probs, collate, epoch_samples, evaluate,
-                                    layout_streams, layout_tree, linear_sample, load_initial_adapter,
-                                    plan_batches, sequence_loss, soft_positions, token_tree, train_adapter)
+from mlx_specdec.apar.losses import base_log_probs, sequence_loss, soft_positions
+from mlx_specdec.apar.samples import collate, epoch_samples, layout_streams, layout_tree, linear_sample, token_tree
+from mlx_specdec.apar.train import AparTrainConfig, load_initial_adapter, plan_batches, train_adapter
 from mlx_specdec.model.forward import forward
 from mlx_specdec.model.loader import LoadedModel
 
@@ -199,7 +200,7 @@ def test_base_log_probs_are_the_original_models_with_the_lora_restored_after():
 def test_the_teacher_reads_each_threads_path_as_plain_text():
     """Child 2 of small_tree (30 31) hangs off the root path 10 11 [F1] 12 [F2] [Child]: its
     teacher must be the untouched model continuing 10 11 12 as plain text."""
-    from mlx_specdec.apar.train import teacher_log_probs
+    from mlx_specdec.apar.losses import teacher_log_probs
 
     adapted = _tiny_adapted().model
     original = make_tiny_llama(seed=0, layers=2, tie=True)

@@ -31,9 +31,8 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -41,86 +40,10 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import UserError
 from ..model.loader import LoadedModel
+from .config import (CONFIG_FILE, WEIGHTS_FILE, AdapterConfig, LoraSettings, check_adapter, checked_mode,
+                     read_adapter_config)
+from .probe import load_fork_probe
 from .tokens import CONVENTIONS, ControlTokens
-
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapters.safetensors"
-FORMAT = "mlx-specdec-apar"
-
-
-class AdapterMismatch(UserError):
-    pass
-
-
-@dataclass
-class LoraSettings:
-    rank: int = 8
-    scale: float = 20.0
-    dropout: float = 0.0
-    num_layers: int = -1  # the last N blocks; -1 = all
-    keys: Optional[List[str]] = None  # module paths inside a block; None = every linear
-
-    def mlx_lm_parameters(self) -> Dict[str, object]:
-        params: Dict[str, object] = {"rank": self.rank, "scale": self.scale, "dropout": self.dropout}
-        if self.keys is not None:
-            params["keys"] = list(self.keys)
-        return params
-
-
-@dataclass
-class AdapterConfig:
-    base_model: str
-    tokenizer_hash: str
-    base_vocab_size: int
-    tied: bool
-    lora: LoraSettings = field(default_factory=LoraSettings)
-    convention: str = "project"
-    mode: str = "full"  # "full" | "skeleton" (see the module docstring)
-    format: str = FORMAT
-    version: int = 1
-
-    @property
-    def fork_token(self) -> str:
-        return CONVENTIONS[self.convention][0]
-
-    @property
-    def child_token(self) -> str:
-        return CONVENTIONS[self.convention][1]
-
-    def to_json(self) -> dict:
-        lora = self.lora
-        return {
-            "format": self.format, "version": self.version, "base_model": self.base_model,
-            "tokenizer_hash": self.tokenizer_hash, "base_vocab_size": self.base_vocab_size,
-            "tied_embeddings": self.tied,
-            "apar": {"convention": self.convention, "fork_token": self.fork_token,
-                     "child_token": self.child_token, "mode": self.mode},
-            # mlx-lm's adapter_config keys, so its tools can read the LoRA part
-            "fine_tune_type": "lora", "num_layers": lora.num_layers,
-            "lora_parameters": lora.mlx_lm_parameters(),
-        }
-
-    @classmethod
-    def from_json(cls, data: dict) -> "AdapterConfig":
-        params = data.get("lora_parameters", {})
-        lora = LoraSettings(rank=int(params.get("rank", 8)), scale=float(params.get("scale", 20.0)),
-                            dropout=float(params.get("dropout", 0.0)),
-                            num_layers=int(data.get("num_layers", -1)), keys=params.get("keys"))
-        return cls(base_model=data.get("base_model", ""), tokenizer_hash=data.get("tokenizer_hash", ""),
-                   base_vocab_size=int(data["base_vocab_size"]), tied=bool(data.get("tied_embeddings", True)),
-                   lora=lora, convention=data.get("apar", {}).get("convention", "project"),
-                   mode=_checked_mode(data.get("apar", {}).get("mode", "full")),
-                   format=data.get("format", ""), version=int(data.get("version", 1)))
-
-
-MODES = ("full", "skeleton")
-
-
-def _checked_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise ValueError(f"unknown APAR adapter mode {mode!r} (known: {', '.join(MODES)})")
-    return mode
-
 
 # -- modules -----------------------------------------------------------------------------------
 
@@ -285,7 +208,7 @@ def prepare_for_training(lm: LoadedModel, lora: LoraSettings, convention: str = 
     tied = _is_tied(model)
     config = AdapterConfig(base_model=lm.name, tokenizer_hash=tokenizer_hash(lm.tokenizer),
                            base_vocab_size=base_vocab, tied=tied, lora=lora, convention=convention,
-                           mode=_checked_mode(mode))
+                           mode=checked_mode(mode))
     rows_in, rows_out = _new_rows(model, seed=seed)
     model.freeze()
     layers = len(model.model.layers) if lora.num_layers < 0 else lora.num_layers
@@ -317,29 +240,6 @@ def save_adapter(model: nn.Module, config: AdapterConfig, directory: Path, dtype
 
 
 # -- decoding --------------------------------------------------------------------------------
-
-def read_adapter_config(directory: Path) -> AdapterConfig:
-    path = Path(directory) / CONFIG_FILE
-    if not path.exists():
-        raise UserError(f"{directory} has no {CONFIG_FILE}: not an APAR adapter")
-    try:
-        data = json.loads(path.read_text())
-        config = AdapterConfig.from_json(data)
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-        raise UserError(f"corrupt APAR adapter config {path}: {exc}") from None
-    if config.format != FORMAT:
-        raise UserError(f"{path} is not an mlx-specdec APAR adapter (format {config.format!r})")
-    return config
-
-
-def check_adapter(config: AdapterConfig, lm: LoadedModel, where: str = "APAR adapter") -> None:
-    from ..drafter.head import tokenizer_hash
-
-    rows = int(lm.model.model.embed_tokens.weight.shape[0])
-    if config.base_vocab_size != rows or config.tokenizer_hash != tokenizer_hash(lm.tokenizer):
-        raise AdapterMismatch(f"{where} was trained for {config.base_model or 'another model'}, "
-                              f"not {lm.name} (vocabulary or tokenizer differ)")
-
 
 def load_apar_model(directory: Path, lm: LoadedModel, fuse: bool = True) -> LoadedModel:
     """The base model with the adapter applied, sharing every base array with `lm`."""
@@ -375,8 +275,6 @@ def load_apar_model(directory: Path, lm: LoadedModel, fuse: bool = True) -> Load
         model.lm_head = ExtendedHead(model.lm_head, head_extra.astype(dtype))
     mx.eval(model.parameters())
     if config.mode == "full":  # the original model decides the first fork, if a probe is shipped
-        from .probe import load_fork_probe
-
         probe = load_fork_probe(directory, lm.model)  # [Fork], [Child] = V, V + 1 (`_control_for`)
         if probe is not None:
             model.fork_probe = probe  # a plain attribute: not a parameter of the adapted model

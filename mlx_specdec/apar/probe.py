@@ -36,6 +36,8 @@ import numpy as np
 
 from ..errors import UserError
 from ..model.forward import forward
+from .answers import load_answers
+from .config import CONFIG_FILE, check_adapter, read_adapter_config
 from .extract import complete_part, extract
 from .tree import Fork, ParagraphTree
 
@@ -289,12 +291,9 @@ def evaluate_probe(weight: mx.array, bias: mx.array, examples: Sequence[ProbeExa
 def run_train_probe(lm, adapter_dir: Path, prompt_files: Sequence[Path], data_dir: Path, cache_file: Path,
                     steps: int = 400, lr: float = 1e-2, fork_weight: float = 1.0,
                     log: Callable[[str], None] = print) -> dict:
-    from .adapter import check_adapter, read_adapter_config
-    from .train import load_answers
-
     t0 = time.perf_counter()
     adapter_dir = Path(adapter_dir)
-    if not (adapter_dir / "adapter_config.json").exists():
+    if not (adapter_dir / CONFIG_FILE).exists():
         raise UserError(f"{adapter_dir}: no APAR adapter there (the probe is saved next to one)")
     config = read_adapter_config(adapter_dir)
     check_adapter(config, lm, where=f"APAR adapter {adapter_dir}")  # the probe reads this model's states

@@ -1,8 +1,6 @@
 """`mlx-specdec train-apar`: teach a model to fork (APAR) with LoRA and two new tokens.
 
-Corpus: the model's own greedy answers to the training prompt files (the same shards the
-ReDrafter distillation writes: `<data-dir>/<prompt file stem>/{train,valid}/shard-*.npz`, token
-ids per answer; generated if missing). Each answer is decoded to text and run through the
+Corpus (`answers.py`): the model's own greedy answers to the training prompt files. Each answer is decoded to text and run through the
 extraction rules (`extract.py`): ordered lists and paragraphs become paragraph trees; code, math,
 URLs and ambiguous markup are unstructured negatives (one node, no fork), sampled 1:1 with the
 structured ones (with replacement when there are fewer); other answers are not used. An answer
@@ -45,12 +43,10 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -58,13 +54,14 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .. import masks
 from ..errors import UserError
-from ..model.forward import forward, lm_head
-from .adapter import LoraSettings, prepare_for_training, save_adapter, trainable_weights
-from .extract import Extraction, complete_part, extract
+from .adapter import prepare_for_training, save_adapter, trainable_weights
+from .answers import ensure_answers, load_answers
+from .config import WEIGHTS_FILE, LoraSettings, read_adapter_config
+from .evaluate import evaluate
+from .losses import sequence_loss, set_lora_gate, soft_positions, teacher_log_probs
+from .samples import TreeSample, build_samples, collate, epoch_samples, lora_gates, make_batches
 from .tokens import ControlTokens, control_tokens_for
-from .tree import Fork, ParagraphTree
 
 
 @dataclass
@@ -86,345 +83,6 @@ class AparTrainConfig:
     compile: bool = False
     kl_weight: float = 0.0  # > 0: text positions learn the base model's distribution (see above)
     init_adapter: Optional[str] = None  # start from this adapter's weights
-
-
-# -- corpus ------------------------------------------------------------------------------------
-
-@dataclass
-class Answer:
-    prompt_id: str
-    prompt: List[int]  # chat-template token ids
-    text: str
-    finished: bool
-    split: str  # "train" | "valid"
-    source: str  # prompt file stem
-    shape: str = ""
-
-
-def default_data_dir(lm) -> Path:
-    from ..model.default import home
-
-    slug = "smollm2-135m" if lm.name.startswith("SmolLM2-135M-Instruct") else re.sub(r"[^\w.-]+", "-", lm.name)
-    return home() / "drafter-data" / slug
-
-
-def ensure_answers(lm, prompt_files: Sequence[Path], data_dir: Path, max_new_tokens: int = 192,
-                   batch_size: int = 32, log: Callable[[str], None] = print) -> None:
-    """Reuse the greedy-answer shards if present (made by this model); generate missing ones."""
-    from ..drafter.data import DataConfig, generate_data
-
-    for prompt_file in prompt_files:
-        directory = Path(data_dir) / Path(prompt_file).stem
-        meta = directory / "meta.json"
-        if meta.exists():
-            made_by = json.loads(meta.read_text()).get("model")
-            if made_by != lm.name:
-                raise UserError(f"{directory} holds answers of {made_by!r}, not {lm.name!r}: pass another --data-dir")
-        if list((directory / "train").glob("shard-*.npz")) and not _missing_shards(directory):
-            continue
-        log(f"generating the model's greedy answers to {prompt_file} into {directory}")
-        generate_data(lm, DataConfig(prompts=Path(prompt_file), out=directory, max_new_tokens=max_new_tokens,
-                                     batch_size=batch_size), log=log)
-
-
-def _missing_shards(directory: Path) -> bool:
-    meta = json.loads((directory / "meta.json").read_text()) if (directory / "meta.json").exists() else {}
-    want = {"train": meta.get("train_prompts"), "valid": meta.get("valid_prompts")}
-    for split, count in want.items():
-        if count is None:
-            continue
-        have = 0
-        for f in sorted((directory / split).glob("shard-*.npz")):
-            if ".tmp" not in f.name:
-                have += len(np.load(f)["prompt_ids"])
-        if have < count:
-            return True
-    return False
-
-
-def load_answers(lm, prompt_files: Sequence[Path], data_dir: Path) -> List[Answer]:
-    from ..drafter.data import load_train_prompts
-
-    eos = lm.eos_token_ids
-    answers: List[Answer] = []
-    for prompt_file in prompt_files:
-        rows = {str(r["id"]): r for r in load_train_prompts(Path(prompt_file))}
-        directory = Path(data_dir) / Path(prompt_file).stem
-        for split in ("train", "valid"):
-            for shard in sorted((directory / split).glob("shard-*.npz")):
-                if ".tmp" in shard.name:
-                    continue
-                z = np.load(shard)
-                tokens, offsets, ids = z["tokens"], z["offsets"], z["prompt_ids"]
-                for i, pid in enumerate(ids):
-                    row = rows.get(str(pid))
-                    if row is None:
-                        raise UserError(f"{shard} has prompt id {pid} missing from {prompt_file}")
-                    answer = [int(t) for t in tokens[offsets[i]:offsets[i + 1]]]
-                    finished = bool(answer) and answer[-1] in eos
-                    if finished:
-                        answer = answer[:-1]
-                    answers.append(Answer(str(pid), lm.encode_chat([{"role": "user", "content": row["prompt"]}]),
-                                          lm.tokenizer.decode(answer), finished, split,
-                                          Path(prompt_file).stem, row.get("shape", "")))
-    if not answers:
-        raise UserError(f"no answers under {data_dir}")
-    return answers
-
-
-# -- packed trees ------------------------------------------------------------------------------
-
-@dataclass
-class TreeSample:
-    """One answer laid out for training. parents[i]: the previous token on i's root path."""
-
-    tokens: np.ndarray  # (L,) int32
-    parents: np.ndarray  # (L,) int32, -1 for the first prompt token
-    targets: np.ndarray  # (L,) int32, -1 = no loss
-    kind: str
-    forks: int
-    prompt_len: int
-    answer: int = -1  # index of the answer it came from
-    gate_from: int = -1  # skeleton layout: LoRA on for tokens from this index on; -1: on everywhere
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-
-def token_tree(extraction: Extraction, tokenizer) -> ParagraphTree:
-    """The text tree with every piece tokenised on its own (as a thread would write it)."""
-    return extraction.tree.map(lambda piece: list(tokenizer.encode(piece, add_special_tokens=False)))
-
-
-def layout_tree(prompt: Sequence[int], tree: ParagraphTree, control: ControlTokens, eos: int,
-                kind: str = "") -> TreeSample:
-    tokens: List[int] = list(prompt)
-    parents: List[int] = [i - 1 for i in range(len(prompt))]
-    targets: List[int] = [-1] * len(prompt)
-    fork_at: Dict[int, int] = {}
-    for thread in sorted(tree.threads):  # a parent is created (and numbered) before its children
-        if thread == 0:
-            prev, items = len(prompt) - 1, list(tree.streams[0])
-        else:
-            prev = fork_at[thread]
-            tokens.append(control.child)
-            parents.append(prev)
-            targets.append(-1)
-            prev = len(tokens) - 1  # [Child] is fed, never predicted
-            items = list(tree.streams[thread])
-        for item in items + [eos]:
-            token = control.fork if isinstance(item, Fork) else item
-            index = len(tokens)
-            tokens.append(token)
-            parents.append(prev)
-            targets.append(-1)
-            targets[prev] = token
-            if isinstance(item, Fork):
-                fork_at[item.child] = index
-            prev = index
-    return TreeSample(np.array(tokens, np.int32), np.array(parents, np.int32), np.array(targets, np.int32),
-                      kind, len(tree.threads) - 1, len(prompt))
-
-
-def layout_streams(prompt: Sequence[int], tree: ParagraphTree, control: ControlTokens, eos: int) -> List[Tuple[np.ndarray, np.ndarray]]:
-    """The reference format: (tokens, targets) per stream; loss only after the stream's [Child]."""
-    out = []
-    for thread in sorted(tree.threads):
-        path = list(prompt) + tree.root_path(thread, control.fork, control.child) + [eos]
-        seq = np.array(path, np.int32)
-        targets = np.full(len(seq), -1, np.int32)
-        start = len(prompt) - 1 if thread == 0 else len(path) - len(tree.stream(thread, control.fork)) - 2
-        targets[start:-1] = seq[start + 1:]
-        out.append((seq, targets))
-    return out
-
-
-def layout_skeleton(prompt: Sequence[int], tree: ParagraphTree, control: ControlTokens, eos: int,
-                    kind: str = "") -> TreeSample:
-    """The root stream as one causal sequence: prompt + root text with [Fork]s + EOS; every answer
-    token is a target; the LoRA gate opens at the first [Fork] (len when it never forks)."""
-    seq = np.array(list(prompt) + tree.stream(0, control.fork) + [eos], np.int32)
-    targets = np.full(len(seq), -1, np.int32)
-    targets[len(prompt) - 1:-1] = seq[len(prompt):]
-    forks = np.nonzero(seq == control.fork)[0]
-    sample = linear_sample(seq, targets, kind)
-    sample.forks, sample.prompt_len = len(forks), len(prompt)
-    sample.gate_from = int(forks[0]) if len(forks) else len(seq)
-    return sample
-
-
-def linear_sample(tokens: np.ndarray, targets: np.ndarray, kind: str = "stream") -> TreeSample:
-    parents = np.arange(len(tokens), dtype=np.int32) - 1
-    return TreeSample(tokens, parents, targets, kind, 0, 0)
-
-
-def build_samples(lm, answers: Sequence[Answer], control: ControlTokens,
-                  layout: str = "tree") -> Tuple[List[TreeSample], Dict[str, int]]:
-    eos = min(lm.eos_token_ids)
-    samples: List[TreeSample] = []
-    counts: Dict[str, int] = {}
-    for number, answer in enumerate(answers):
-        extraction = extract(complete_part(answer.text, answer.finished))
-        counts[extraction.kind] = counts.get(extraction.kind, 0) + 1
-        if extraction.tree is None:
-            continue
-        tree = token_tree(extraction, lm.tokenizer)
-        if layout == "skeleton":
-            samples.append(layout_skeleton(answer.prompt, tree, control, eos, extraction.kind))
-            samples[-1].answer = number
-        elif layout == "tree" or extraction.kind == "unstructured":
-            samples.append(layout_tree(answer.prompt, tree, control, eos, extraction.kind))
-            samples[-1].answer = number
-        else:
-            for seq, targets in layout_streams(answer.prompt, tree, control, eos):
-                samples.append(linear_sample(seq, targets, extraction.kind))
-                samples[-1].answer = number
-    return samples, counts
-
-
-# -- batches -----------------------------------------------------------------------------------
-
-PAD_MULTIPLE = 32
-
-
-def _padded(n: int) -> int:
-    return int(math.ceil(n / PAD_MULTIPLE) * PAD_MULTIPLE)
-
-
-def epoch_samples(samples: Sequence[TreeSample], ratio: float, rng: np.random.Generator) -> List[int]:
-    """Indices for one epoch: every structured sample, and ratio x as many negatives."""
-    structured = [i for i, s in enumerate(samples) if s.kind != "unstructured"]
-    negatives = [i for i, s in enumerate(samples) if s.kind == "unstructured"]
-    answers = len({samples[i].answer for i in structured})  # streams layout: several per answer
-    want = int(round(ratio * answers))
-    chosen: List[int] = list(structured)
-    if negatives and want:
-        reps = int(math.ceil(want / len(negatives)))
-        pool = np.concatenate([rng.permutation(negatives) for _ in range(reps)])[:want]
-        chosen += [int(i) for i in pool]
-    return chosen
-
-
-def make_batches(samples: Sequence[TreeSample], indices: Sequence[int], tokens_per_batch: int,
-                 rng: np.random.Generator) -> List[List[int]]:
-    """Length-sorted batches of at most tokens_per_batch padded tokens, in random order."""
-    order = sorted(indices, key=lambda i: (len(samples[i]), rng.random()))
-    batches, current, longest = [], [], 0
-    for i in order:
-        n = _padded(len(samples[i]))
-        if current and max(longest, n) * (len(current) + 1) > tokens_per_batch:
-            batches.append(current)
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, n)
-    if current:
-        batches.append(current)
-    return [batches[j] for j in rng.permutation(len(batches))]
-
-
-def collate(batch: Sequence[TreeSample], hide_tokens: Sequence[int] = ()):
-    """(tokens (B, L), positions (B, L), mask (B, 1, L, L), rows (K,), cols (K,), targets (K,)).
-
-    hide_tokens: ids no other token sees and that take no position (the KL teacher's view:
-    the base model reads each thread's path as plain text, without [Fork]/[Child])."""
-    L = _padded(max(len(s) for s in batch))
-    B = len(batch)
-    tokens = np.zeros((B, L), np.int32)
-    positions = np.zeros((B, L), np.int32)
-    mask = np.zeros((B, 1, L, L), bool)
-    rows, cols, targets = [], [], []
-    for b, s in enumerate(batch):
-        n = len(s)
-        tokens[b, :n] = s.tokens
-        hidden = np.isin(s.tokens, hide_tokens) if len(hide_tokens) else None
-        positions[b, :n] = masks.tree_depths_np(s.parents, hidden)
-        mask[b, 0, :n, :n] = masks.tree_mask_np(s.parents, hidden)
-        pads = np.arange(n, L)
-        mask[b, 0, pads, pads] = True  # padding sees itself only: no empty softmax row
-        where = np.nonzero(s.targets >= 0)[0]
-        rows += [b] * len(where)
-        cols += where.tolist()
-        targets += s.targets[where].tolist()
-    return (mx.array(tokens), mx.array(positions), mx.array(mask), mx.array(np.array(rows, np.int32)),
-            mx.array(np.array(cols, np.int32)), mx.array(np.array(targets, np.int32)))
-
-
-def lora_gates(batch: Sequence[TreeSample], length: int) -> Optional[mx.array]:
-    """(B, L, 1) per-token LoRA gates of a skeleton batch (1 from each sample's `gate_from` to its
-    end; padding 0), or None for a batch of ungated samples."""
-    if all(s.gate_from < 0 for s in batch):
-        return None
-    gates = np.zeros((len(batch), length, 1), np.float32)
-    for b, s in enumerate(batch):
-        gates[b, max(s.gate_from, 0):len(s)] = 1.0
-    return mx.array(gates)
-
-
-def set_lora_gate(model: nn.Module, gates: Optional[mx.array]) -> None:
-    """Set the per-token gate of a skeleton model before building a forward (no-op otherwise)."""
-    gate = getattr(model, "lora_gate", None)
-    if gate is not None:
-        gate.value = gates
-
-
-def sequence_loss(model: nn.Module, tokens, positions, mask, rows, cols, targets, teacher=None, soft=None,
-                  kl_weight: float = 0.0, reduce: str = "mean"):
-    """Per selected position (under the tree mask): cross-entropy with its target, or, where
-    `soft` and a teacher is given, kl_weight x KL(teacher || model) over the teacher's vocabulary.
-
-    teacher: (K, V0) log-probabilities of the base model (V0 = base vocabulary, no control tokens,
-    so the adapted model also learns not to fork there); soft: (K,) bool."""
-    hidden = forward(model, tokens, None, positions=positions, mask=mask, logits_for="none").hidden
-    picked = hidden[rows, cols]  # (K, D): only positions with a target reach the vocabulary
-    logits = lm_head(model, picked).astype(mx.float32)  # (K, V0 + 2)
-    per_token = nn.losses.cross_entropy(logits, targets, reduction="none")  # (K,)
-    if teacher is not None:
-        per_token = mx.where(soft, kl_weight * kl_from_teacher(teacher, logits), per_token)
-    return per_token.mean() if reduce == "mean" else per_token
-
-
-def kl_from_teacher(teacher: mx.array, logits: mx.array) -> mx.array:
-    """(K,) KL(p || q) = sum_v p_v (log p_v - log q_v), p the teacher's (K, V0) log-probs, q the
-    model's softmax over (K, V0 + 2) logits: q's control-token mass counts as a miss."""
-    log_q = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return (mx.exp(teacher) * (teacher - log_q[:, : teacher.shape[-1]])).sum(axis=-1)
-
-
-@contextmanager
-def lora_disabled(model: nn.Module):
-    """The base model for the duration: every LoRA update scaled by 0 (y + 0 * z == y exactly).
-    MLX records the scale when the graph is built, so arrays built inside stay the base's."""
-    from mlx_lm.tuner.lora import LoRALinear
-
-    layers = [m for _, m in model.named_modules() if isinstance(m, LoRALinear)]
-    scales = [m.scale for m in layers]
-    for m in layers:
-        m.scale = 0.0
-    try:
-        yield
-    finally:
-        for m, scale in zip(layers, scales):
-            m.scale = scale
-
-
-def base_log_probs(model: nn.Module, tokens, positions, mask, rows, cols, base_vocab: int) -> mx.array:
-    """(K, base_vocab) log-probabilities of the frozen base model at the selected positions."""
-    with lora_disabled(model):
-        hidden = forward(model, tokens, None, positions=positions, mask=mask, logits_for="none").hidden
-        logits = lm_head(model, hidden[rows, cols])[:, :base_vocab].astype(mx.float32)
-        teacher = mx.stop_gradient(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-        mx.eval(teacher)
-    return teacher
-
-
-def soft_positions(tokens, rows, cols, targets, control: ControlTokens, eos_ids: Sequence[int]) -> mx.array:
-    """(K,) True where the target is text the base model should write: not a fork or an end, and
-    not the first token after [Fork] (the parent's next sibling) or [Child] (the child's start)."""
-    fed = tokens[rows, cols]
-    hard = (targets == control.fork) | (fed == control.fork) | (fed == control.child)
-    for eos in eos_ids:
-        hard = hard | (targets == eos)
-    return mx.logical_not(hard)
 
 
 # -- training ----------------------------------------------------------------------------------
@@ -563,15 +221,6 @@ def train_adapter(model: nn.Module, samples: Sequence[TreeSample], cfg: AparTrai
     return result
 
 
-def teacher_log_probs(model, batch: Sequence[TreeSample], arrays, control: ControlTokens) -> mx.array:
-    """The base model's (K, V0) log-probs for the batch's targets, each thread's path read as
-    plain text: [Fork]/[Child] hidden and taking no position. (Shown the control tokens, which it
-    never learned, the base model writes a child's detail about the wrong item.)"""
-    tokens, _, _, rows, cols, _ = arrays
-    _, positions, mask, *_ = collate(batch, hide_tokens=(control.fork, control.child))
-    return base_log_probs(model, tokens, positions, mask, rows, cols, min(control.fork, control.child))
-
-
 def _distillation_inputs(model, batch, arrays, cfg: AparTrainConfig, control, eos_ids) -> tuple:
     """(teacher, soft, kl_weight) for sequence_loss, or () for plain cross-entropy."""
     if cfg.kl_weight <= 0:
@@ -582,64 +231,8 @@ def _distillation_inputs(model, batch, arrays, cfg: AparTrainConfig, control, eo
     return teacher, soft_positions(tokens, rows, cols, targets, control, eos_ids), cfg.kl_weight
 
 
-# -- evaluation --------------------------------------------------------------------------------
-
-def evaluate(model: nn.Module, samples: Sequence[TreeSample], control: ControlTokens,
-             tokens_per_batch: int = 2048, eos_ids: Sequence[int] = ()) -> Dict[str, object]:
-    """Teacher-forced: loss, and how the model's argmax treats [Fork] at true and false spots.
-    With eos_ids, also how close the text stays to the base model (LoRA off) at the text
-    positions (`soft_positions`): argmax agreement and mean KL(base || adapted)."""
-    rng = np.random.default_rng(0)
-    losses, counts = [], 0
-    true_forks = hit = predicted = correct = 0
-    negative_with_fork = negatives = 0
-    agree = soft_count = 0
-    kl_sum = 0.0
-    for batch_idx in make_batches(samples, range(len(samples)), tokens_per_batch, rng):
-        batch = [samples[i] for i in batch_idx]
-        arrays = collate(batch)
-        tokens, positions, mask, rows, cols, targets = arrays
-        set_lora_gate(model, lora_gates(batch, tokens.shape[1]))
-        hidden = forward(model, tokens, None, positions=positions, mask=mask, logits_for="none").hidden
-        logits = lm_head(model, hidden[rows, cols]).astype(mx.float32)
-        ce = nn.losses.cross_entropy(logits, targets, reduction="none")
-        guess = mx.argmax(logits, axis=-1)
-        if eos_ids:
-            teacher = teacher_log_probs(model, batch, arrays, control)
-            soft = np.array(soft_positions(tokens, rows, cols, targets, control, eos_ids))
-            kl = np.array(kl_from_teacher(teacher, logits))
-            same = np.array(mx.argmax(teacher, axis=-1) == guess)
-            agree += int(same[soft].sum())
-            soft_count += int(soft.sum())
-            kl_sum += float(kl[soft].sum())
-        ce, guess, t, r = (np.array(a) for a in (ce, guess, targets, rows))
-        losses.append(float(ce.sum()))
-        counts += len(ce)
-        true_forks += int((t == control.fork).sum())
-        hit += int(((t == control.fork) & (guess == control.fork)).sum())
-        predicted += int((guess == control.fork).sum())
-        correct += int(((guess == control.fork) & (t == control.fork)).sum())
-        for b, s in enumerate(batch):
-            if s.kind == "unstructured":
-                negatives += 1
-                negative_with_fork += int(((r == b) & (guess == control.fork)).any())
-    report = {
-        "samples": len(samples), "loss": round(sum(losses) / max(counts, 1), 4),
-        "fork_recall": round(hit / true_forks, 4) if true_forks else None,
-        "fork_precision": round(correct / predicted, 4) if predicted else None,
-        "true_forks": true_forks,
-        "negatives_with_a_fork": f"{negative_with_fork}/{negatives}",
-    }
-    if eos_ids:
-        report["base_argmax_agreement"] = round(agree / max(soft_count, 1), 4)
-        report["base_kl"] = round(kl_sum / max(soft_count, 1), 4)
-    return report
-
-
 def load_initial_adapter(model: nn.Module, config, directory: Path) -> None:
     """Put a saved adapter's weights into a freshly prepared model (same base, same LoRA shape)."""
-    from .adapter import WEIGHTS_FILE, read_adapter_config
-
     saved = read_adapter_config(directory)
     if saved.base_model != config.base_model or saved.tokenizer_hash != config.tokenizer_hash:
         raise UserError(f"{directory} was trained for {saved.base_model}, not {config.base_model}")

@@ -152,7 +152,8 @@ def cmd_train_drafter(args) -> int:
 
 
 def cmd_train_apar(args) -> int:
-    from ..apar.train import AparTrainConfig, default_data_dir, run_train_apar
+    from ..apar.answers import default_data_dir
+    from ..apar.train import AparTrainConfig, run_train_apar
     from ..model.default import home
 
     for flag in ("rank", "tokens_per_batch", "checkpoint_every"):
@@ -184,7 +185,7 @@ def cmd_train_apar(args) -> int:
 
 def cmd_train_fork_probe(args) -> int:
     from ..apar.probe import run_train_probe
-    from ..apar.train import default_data_dir
+    from ..apar.answers import default_data_dir
     from ..model.default import home
 
     if args.steps <= 0 or args.lr <= 0:
