@@ -422,6 +422,24 @@ def test_contiguous_shortcut_is_taken_only_for_a_lone_compact_thread_and_changes
     assert fast.paths == slow.paths
 
 
+@pytest.mark.parametrize("live", [1, 2])
+@pytest.mark.parametrize("allow_contiguous", [False, True])
+def test_an_empty_step_allocates_nothing(live, allow_contiguous):
+    """begin_step([]) (a step where no live thread writes) changes no bookkeeping and gives an
+    empty positions/mask pair, with one live thread (it raised IndexError) as with several."""
+    cache = ForkableKVCache(num_layers=1)
+    cache.new_thread(0)
+    cache.begin_step([0, 0, 0])
+    if live == 2:
+        cache.fork(0, 1)
+    paths, high_water = {k: list(v) for k, v in cache.paths.items()}, cache.high_water
+    positions, mask = cache.begin_step([], allow_contiguous=allow_contiguous)
+    assert positions.shape == (1, 0) and mask.shape == (1, 1, 0, 3)
+    assert cache.paths == paths and cache.high_water == high_water and cache.free_slots == []
+    cache.undo_step([])
+    assert cache.paths == paths
+
+
 def test_thread_errors():
     cache = ForkableKVCache(num_layers=1)
     cache.new_thread(0)

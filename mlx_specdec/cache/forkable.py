@@ -135,7 +135,8 @@ class ForkableKVCache:
         self._step_run = (start, start + len(slots)) if consecutive else None
         self._step_index = None if consecutive else mx.array(slots, dtype=mx.int32)
         self._step_offset = None
-        lone = len(self.paths) == 1 and start == positions[0] and start + len(slots) == self.high_water
+        lone = (len(self.paths) == 1 and bool(slots) and start == positions[0]
+                and start + len(slots) == self.high_water)  # an empty step is no thread's: not lone
         if allow_contiguous and consecutive and lone:
             # One live thread whose `start` earlier slots are distinct and all below `start` (the
             # new ones are the pool's top): they are exactly slots 0..start-1, so "every key up to
