@@ -229,8 +229,21 @@ def test_depth_zero_never_forks_and_equals_plain_greedy():
     plan = {(0, 1): FORK, (0, 3): FORK, (0, 10): EOS}
     events, _ = run_apar(lm, plan, max_depth=0)
     assert starts(events) == []
-    tokens = restore_tokens(events)
-    assert len(tokens) == 10
+    assert restore_tokens(events) == plain_greedy(lm.model, PROMPT, steps=10)
+
+
+def plain_greedy(model, prompt, steps):
+    """Plain greedy decoding (contiguous cache, one token a step) under the Script's rules for a
+    thread that may not fork: [Fork], [Child] and EOS are never picked."""
+    cache = ContiguousKVCache.for_model(model)
+    logits = forward(model, mx.array(prompt)[None], cache, logits_for="last").logits[0, -1]
+    out = []
+    for _ in range(steps):
+        row = np.array(logits)
+        row[[FORK, CHILD, EOS]] = -np.inf
+        out.append(int(row.argmax()))
+        logits = forward(model, mx.array([[out[-1]]]), cache, logits_for="last").logits[0, -1]
+    return out
 
 
 def test_stats_report_threads_and_flattened_figures():
@@ -251,11 +264,31 @@ def test_stats_report_threads_and_flattened_figures():
     attended = sum(len(s[3][t]) for s in script.steps for t in s[0])
     assert extra["attended_tokens_mean"] == round(attended / rows, 2)
     assert extra["control_tokens"] == 2 * 3
-    assert extra["flat_decode_steps"] == T + 1
-    assert extra["flat_max_cached_tokens"] == P + T
-    assert extra["flat_attended_tokens_mean"] == round(P + T / 2, 2)
+    # The flat figures are what plain decoding of the flattened answer measures: decode exactly
+    # the restored tokens then EOS with one thread (the same counters, nothing can fork).
+    answer = restore_tokens(events)
+    flat_plan = {(0, k): token for k, token in enumerate(answer)}
+    flat_plan[(0, len(answer))] = EOS
+    flat_events, flat_script = run_apar(lm, flat_plan, cache=ForkableKVCache.for_model(lm.model), max_depth=0)
+    assert restore_tokens(flat_events) == answer
+    measured = flat_events[-1].stats.extra
+    assert measured["decode_steps"] == len(flat_script.steps)
+    for key in ("decode_steps", "max_cached_tokens", "attended_tokens_mean"):
+        assert extra[f"flat_{key}"] == measured[key], key
     assert extra["decode_steps"] < extra["flat_decode_steps"]
     assert "4 threads" in stats.summary() and "(flat)" in stats.summary()
+
+
+@pytest.mark.parametrize("ends_with_eos", [True, False])
+def test_an_unforked_answer_is_its_own_flattened_answer(ends_with_eos):
+    """No fork: APAR's own counters equal its flat figures, whether EOS or max_tokens ends it."""
+    lm = make_apar_lm()
+    plan = {(0, 12): EOS} if ends_with_eos else {}
+    events, _ = run_apar(lm, plan, max_tokens=20 if ends_with_eos else 9, max_depth=0)
+    extra = events[-1].stats.extra
+    assert events[-1].stats.finish_reason == ("stop" if ends_with_eos else "length")
+    for key in ("decode_steps", "max_cached_tokens", "attended_tokens_mean"):
+        assert extra[f"flat_{key}"] == extra[key], key
 
 
 def test_parallel_threads_cache_and_attend_less_than_the_flattened_answer():
@@ -323,7 +356,7 @@ def test_bench_rows_carry_the_whole_restored_answer_and_the_apar_figures():
     for pid in ("1", "2"):
         apar_row = rows[("apar", pid)]
         assert apar_row["threads"] == 1 and apar_row["forked"] is False
-        assert apar_row["flat_max_cached_tokens"] == apar_row["prompt_tokens"] + apar_row["answer_tokens"]
+        assert apar_row["flat_max_cached_tokens"] == apar_row["max_cached_tokens"]  # unforked: it IS flat
         assert apar_row["identical_to_ar"]  # no forks allowed: plain greedy decoding of the same model
     assert "threads" not in rows[("ar", "1")]
 

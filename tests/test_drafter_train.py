@@ -10,7 +10,7 @@ import pytest
 
 from conftest import make_tiny_lm, save_tiny_model_dir
 from mlx_specdec.decoding import GenerationParams
-from mlx_specdec.drafter.data import DataConfig, batched_greedy, generate_data, load_split
+from mlx_specdec.drafter.data import DataConfig, batched_greedy, generate_data, is_validation, load_split
 from mlx_specdec.engine import Engine
 
 
@@ -41,7 +41,12 @@ def test_generate_data_is_resumable(tmp_path):
     prompts.write_text("\n".join(json.dumps({"id": i, "prompt": f"w{i} w{i + 1}"}) for i in range(1, 41)))
     cfg = DataConfig(prompts=prompts, out=tmp_path / "data", max_new_tokens=6, batch_size=8, shard_prompts=8)
     counts = generate_data(lm, cfg, log=lambda *_: None)
-    assert counts["train"] > 0 and counts["valid"] >= 0
+    # every prompt lands in exactly one split, the validation one by the id hash (ids 4 and 22 here)
+    split_ids = {split: sorted(int(i) for f in sorted((tmp_path / "data" / split).glob("shard-*.npz"))
+                               for i in np.load(f)["prompt_ids"]) for split in ("train", "valid")}
+    assert split_ids["valid"] == [i for i in range(1, 41) if is_validation(i)] == [4, 22]
+    assert split_ids["train"] == [i for i in range(1, 41) if i not in (4, 22)]
+    assert counts["valid"] == load_split(tmp_path / "data", "valid").offsets[-1] > 0
     files = sorted((tmp_path / "data").rglob("shard-*.npz"))
     stamps = [f.stat().st_mtime_ns for f in files]
     messages = []

@@ -76,6 +76,22 @@ def engine_with(lm, head):
     return engine
 
 
+def check_acceptance_per_position(events, length):
+    """Acceptance per draft position k is the share of verify steps that accepted >= k + 1
+    drafts, as the steps themselves report it (non-increasing in k). A step that wrote only EOS
+    emits no token event (EOS after accepted drafts does): its acceptance is unseen here, at most
+    one count per position."""
+    stats = events[-1].stats
+    accepted = np.array([e.accepted for e in events if e.kind == "token" and e.drafted])
+    unseen = stats.extra["steps"] - len(accepted)
+    assert unseen in ((0,) if stats.finish_reason == "length" else (0, 1))
+    counts = np.round(np.array(stats.extra["acceptance_per_position"]) * stats.extra["steps"])
+    seen = np.array([(accepted >= k + 1).sum() for k in range(length - 1)])
+    assert np.all((counts >= seen) & (counts <= seen + unseen))
+    assert list(counts) == sorted(counts, reverse=True)
+    return seen
+
+
 @pytest.mark.parametrize("width,length", [(1, 2), (1, 5), (2, 4), (4, 3), (3, 6)])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_greedy_redrafter_equals_plain_decoding_with_a_random_head(width, length, seed):
@@ -83,10 +99,11 @@ def test_greedy_redrafter_equals_plain_decoding_with_a_random_head(width, length
     engine = engine_with(lm, random_head(lm, seed=seed))
     for prompt in PROMPTS:
         want, _ = run(engine, prompt, "ar", max_tokens=30)
-        got, stats = run(engine, prompt, "redrafter", max_tokens=30,
-                         options={"beam_width": width, "beam_length": length})
+        params = GenerationParams(max_tokens=30, options={"beam_width": width, "beam_length": length})
+        events = list(engine.generate_ids(prompt, "redrafter", params))
+        got = [t for e in events if e.kind == "token" for t in e.tokens]
         assert got == want
-        assert len(stats.extra["acceptance_per_position"]) == length - 1
+        check_acceptance_per_position(events, length)
 
 
 @pytest.mark.parametrize("width,length", [(1, 5), (2, 4), (4, 5)])
@@ -94,16 +111,19 @@ def test_greedy_redrafter_equals_plain_decoding_with_accepted_drafts(width, leng
     lm = make_tiny_lm(seed=3, eos_id=96)
     engine = engine_with(lm, oracle_head(lm, PROMPTS))
     accepted = 0
+    deep = 0
     for prompt in PROMPTS:
         want, _ = run(engine, prompt, "ar", max_tokens=40)
-        got, stats = run(engine, prompt, "redrafter", max_tokens=40,
-                         options={"beam_width": width, "beam_length": length})
-        assert got == want
+        params = GenerationParams(max_tokens=40, options={"beam_width": width, "beam_length": length})
+        events = list(engine.generate_ids(prompt, "redrafter", params))
+        stats = events[-1].stats
+        assert [t for e in events if e.kind == "token" for t in e.tokens] == want
         assert stats.forward_passes < stats.generated_tokens  # drafts were really accepted
+        deep += check_acceptance_per_position(events, length)[-1]  # steps that took every draft
         accepted += stats.accepted
         if width > 1:
             assert stats.extra["tree_tokens_after_dedup"] < stats.extra["tree_tokens_before_dedup"]
-    assert accepted > 0
+    assert accepted > 0 and deep > 0
 
 
 def test_eos_and_max_tokens_inside_an_accepted_run():

@@ -159,10 +159,10 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
             dropped_steps=figures["dropped"],
             fork_probe=probe is not None,
             base_model_tokens=figures["base_tokens"],  # written by the original model (fork probe)
-            # the same answer flattened and decoded sequentially: T tokens then EOS after P prompt tokens
-            flat_decode_steps=T + 1,
-            flat_max_cached_tokens=P + T,
-            flat_attended_tokens_mean=round(P + T / 2, 2),
+            # the same answer flattened and decoded sequentially after the P prompt tokens: one
+            # step per fed token (the prompt's last, then every answer token but the last unless
+            # it was followed by EOS), the n-th step seeing P + n - 1 cached tokens
+            **flat_figures(P, T, ended=not threads),
         )
 
     def pick(logits: mx.array) -> mx.array:
@@ -294,6 +294,13 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
             cache.free_thread(t)
         if queued is not None:
             mx.eval(queued[1])  # settle the queued step, so it does not run into whatever is next
+
+
+def flat_figures(prompt_tokens: int, answer_tokens: int, ended: bool) -> Dict[str, float]:
+    """What plain decoding of the flattened answer costs: steps, peak cache, mean attended."""
+    steps = answer_tokens + (1 if ended else 0)  # ended: the step after the last token wrote EOS
+    return {"flat_decode_steps": steps, "flat_max_cached_tokens": prompt_tokens + steps - 1,
+            "flat_attended_tokens_mean": round(prompt_tokens + (steps - 1) / 2, 2)}
 
 
 def _fork_allowed(threads: Dict[int, _Thread], order: List[int], max_threads: int, max_depth: int) -> List[bool]:
