@@ -20,15 +20,9 @@ def add_parser(sub) -> None:
                                    "(resumable), then train a ReDrafter RNN draft head on its "
                                    "hidden states (resumable from checkpoints), evaluate it on "
                                    "held-out prompts and save it with a training.json report.")
-    _add_model_args(p)
-    p.add_argument("--prompts", default=TRAIN_PROMPTS_DEFAULT,
-                   help="comma list of JSON-lines prompt files (id, prompt) (default: %(default)s)")
-    p.add_argument("--output", "-o", default="models/drafter-smollm2-135m",
-                   help="where the head is saved (default: %(default)s)")
-    p.add_argument("--data-dir", default=None,
-                   help="distillation cache (default: $MLX_SPECDEC_HOME/drafter-data/<output name>)")
-    p.add_argument("--checkpoint-dir", default=None,
-                   help="training checkpoints (default: $MLX_SPECDEC_HOME/drafter-checkpoints/<output name>)")
+    _add_training_io_args(p, "models/drafter-smollm2-135m", "where the head is saved",
+                          "distillation cache (default: $MLX_SPECDEC_HOME/drafter-data/<output name>)",
+                          "drafter-checkpoints")
     p.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap (default: %(default)s)")
     p.add_argument("--data-batch", type=int, default=32, help="prompts per generation batch (default: %(default)s)")
     p.add_argument("--draft-vocab", type=int, default=8192,
@@ -55,16 +49,9 @@ def add_parser(sub) -> None:
                                    "with APAR's extraction rules, then train LoRA layers and two new tokens "
                                    "so the model forks where the structure allows (resumable from "
                                    "checkpoints); save the adapter with a training.json report.")
-    _add_model_args(p)
-    p.add_argument("--prompts", default=TRAIN_PROMPTS_DEFAULT,
-                   help="comma list of JSON-lines prompt files (id, prompt) (default: %(default)s)")
-    p.add_argument("--output", "-o", default="models/apar-smollm2-135m",
-                   help="where the adapter is saved (default: %(default)s)")
-    p.add_argument("--data-dir", default=None,
-                   help="the model's greedy answers, one directory per prompt file "
-                        "(default: $MLX_SPECDEC_HOME/drafter-data/<model>)")
-    p.add_argument("--checkpoint-dir", default=None,
-                   help="training checkpoints (default: $MLX_SPECDEC_HOME/apar-checkpoints/<output name>)")
+    _add_training_io_args(p, "models/apar-smollm2-135m", "where the adapter is saved",
+                          "the model's greedy answers, one directory per prompt file "
+                          "(default: $MLX_SPECDEC_HOME/drafter-data/<model>)", "apar-checkpoints")
     p.add_argument("--layout", default="tree",
                    help="tree: one packed paragraph tree per answer under a tree mask; streams: one "
                         "sequence per stream, loss masked up to [Child] (the reference); skeleton: a skeleton "
@@ -110,6 +97,17 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=400, help="full-batch Adam steps (default: %(default)s)")
     p.add_argument("--lr", type=float, default=1e-2, help="learning rate (default: %(default)s)")
     p.set_defaults(func=cmd_train_fork_probe)
+
+
+def _add_training_io_args(p, output: str, output_help: str, data_dir_help: str, checkpoints: str) -> None:
+    """The model, the prompt files, and where the data, the checkpoints and the result go."""
+    _add_model_args(p)
+    p.add_argument("--prompts", default=TRAIN_PROMPTS_DEFAULT,
+                   help="comma list of JSON-lines prompt files (id, prompt) (default: %(default)s)")
+    p.add_argument("--output", "-o", default=output, help=output_help + " (default: %(default)s)")
+    p.add_argument("--data-dir", default=None, help=data_dir_help)
+    p.add_argument("--checkpoint-dir", default=None,
+                   help=f"training checkpoints (default: $MLX_SPECDEC_HOME/{checkpoints}/<output name>)")
 
 
 def _training_prompt_files(value: str) -> List[Path]:
