@@ -2,8 +2,11 @@
 
 One schema (`ROW_COLUMNS`, `SUMMARY_COLUMNS`) renders to Markdown, JSON and CSV. Methods run
 prompt-major (all methods on prompt 1, then prompt 2, ...) so slow drifts of a noisy machine
-hit every method alike. `speedup_vs_ar` is (method decode tokens/s) / (AR decode tokens/s), each
-pooled over the same prompts within one repeat; over repeats we report mean ± sd. For a lossless
+hit every method alike, and in an order rotated by one per prompt (and repeat), so whatever
+favours a place in the order (warm caches, a cool chip) does not always favour the same method.
+`speedup_vs_ar` is (method decode tokens/s) / (AR decode tokens/s), each pooled over the same
+prompts within one repeat; over repeats we report the mean and the sd (`decode_tps_sd`,
+`speedup_sd`: undefined with one repeat, so n/a in Markdown, null in JSON). For a lossless
 method both write the same tokens, so this is AR decode time / method decode time; APAR writes
 its own answer (its model is fine-tuned), so for it the ratio compares generated tokens per second.
 
@@ -178,8 +181,11 @@ def run_bench(engine: Engine, prompts: List[Prompt], configs: List[MethodConfig]
     total = repeats * len(prompts) * len(configs)
     bar = tqdm(total=total, desc="bench", unit="run", disable=not progress, file=sys.stderr)
     for repeat in range(repeats):
-        for prompt in prompts:
-            for config in configs:
+        for index, prompt in enumerate(prompts):
+            # Rotated by one per prompt run: no method always runs first (or right after ar). The
+            # identity check needs no order: it compares with ar's tokens after every run is done.
+            shift = (repeat * len(prompts) + index) % len(configs)
+            for config in configs[shift:] + configs[:shift]:
                 bar.set_postfix_str(f"{config.method} #{prompt.id}")
                 tokens, stats = run_one(engine, prompt, config, params)
                 if config.method == "ar" and not config.options:
@@ -229,10 +235,15 @@ def _params_dict(params: GenerationParams, repeats: int) -> dict:
             "top_p": params.top_p, "seed": params.seed, "repeats": repeats}
 
 
-def _mean_sd(values: List[float]) -> tuple[float, float]:
+def _mean_sd(values: List[float]) -> tuple[float, Optional[float]]:
+    """Mean and sample sd; the sd is None (undefined, not 0) with fewer than two values."""
     if not values:
-        return 0.0, 0.0
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+        return 0.0, None
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def _round(value: Optional[float], digits: int) -> Optional[float]:
+    return None if value is None else round(value, digits)
 
 
 def summarize(rows: List[dict], configs: List[MethodConfig], repeats: int) -> List[dict]:
@@ -254,8 +265,8 @@ def summarize(rows: List[dict], configs: List[MethodConfig], repeats: int) -> Li
             "method": config.method, "config": config.label,
             "prompts": len({r["prompt_id"] for r in mine}),
             "new_tokens": sum(r["new_tokens"] for r in mine),
-            "decode_tps": round(tps_mean, 2), "decode_tps_sd": round(tps_sd, 2),
-            "speedup_vs_ar": round(speed_mean, 3), "speedup_sd": round(speed_sd, 3),
+            "decode_tps": round(tps_mean, 2), "decode_tps_sd": _round(tps_sd, 2),
+            "speedup_vs_ar": round(speed_mean, 3), "speedup_sd": _round(speed_sd, 3),
             "tokens_per_forward": round(sum(r["new_tokens"] for r in mine) / forwards, 3) if forwards else 0.0,
             "ttft_ms_median": round(statistics.median(r["ttft_ms"] for r in mine), 1),
             "peak_memory_mb": max(r["peak_memory_mb"] for r in mine),
@@ -335,10 +346,14 @@ def _speculation_summary(rows: List[dict]) -> dict:
 
 # -- rendering: one schema, three formats -------------------------------------------------------
 
+def _md_cell(value) -> str:
+    return "n/a" if value is None else str(value)  # None: undefined (an sd of one repeat), JSON's null
+
+
 def _md_table(records: List[dict], columns: List[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for record in records:
-        lines.append("| " + " | ".join(str(record.get(c, "")) for c in columns) + " |")
+        lines.append("| " + " | ".join(_md_cell(record.get(c, "")) for c in columns) + " |")
     return "\n".join(lines)
 
 

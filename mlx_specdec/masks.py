@@ -1,5 +1,11 @@
 """Attention masks and positions: the one place this math lives.
 
+Causal masks (plain and over a padded batch), token-tree masks and depths (one tree, a tree over
+a cached prefix, one tree per row of a ragged batch) and the per-thread path masks of the
+forkable cache: every boolean attention mask a forward gets is built here. Elsewhere masks are
+only the string "causal" (SDPA's own) or, in apar/samples.py, `tree_mask_np` blocks placed into
+a padded training batch.
+
 All masks here are boolean, True = may attend, shaped to broadcast against
 (B, heads, queries, keys) in `mx.fast.scaled_dot_product_attention`.
 """
@@ -17,6 +23,30 @@ def causal_mask(num_queries: int, offset: int) -> mx.array:
     query_pos = np.arange(offset, offset + num_queries)[:, None]
     key_pos = np.arange(offset + num_queries)[None, :]
     return mx.array(key_pos <= query_pos)
+
+
+def padded_causal_mask(valid: np.ndarray, start: int, end: int) -> mx.array:
+    """(B, 1, end - start, end) for queries at positions start .. end-1 of a padded batch.
+
+    valid (B, >= end): which slots hold row b's tokens (False: padding). Query i (slot start + i)
+    of row b sees row b's valid slots 0 .. start + i; every query also sees itself, so a padding
+    query has a key (no empty softmax row, nothing NaN) and no real token sees a padding one.
+    """
+    valid = np.asarray(valid, dtype=bool)[:, :end]
+    queries = np.arange(start, end)
+    causal = np.arange(end)[None, :] <= queries[:, None]  # (c, end)
+    mask = causal[None] & valid[:, None, :]
+    mask[:, np.arange(end - start), queries] = True
+    return mx.array(mask)[:, None]
+
+
+def path_mask(paths: Sequence[Sequence[int]], width: int) -> mx.array:
+    """(1, 1, L, width): query r sees exactly the cache slots in paths[r] (the forkable cache:
+    a thread's slots from the root down to its new token)."""
+    mask = np.zeros((len(paths), width), dtype=bool)
+    for row, slots in enumerate(paths):
+        mask[row, list(slots)] = True
+    return mx.array(mask)[None, None]
 
 
 def _check_topological(parents: Sequence[int]) -> None:

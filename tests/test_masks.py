@@ -116,3 +116,23 @@ def test_empty_tree():
 def test_tree_positions_reject_non_topological_parents():
     with pytest.raises(ValueError):
         masks.tree_positions([-1, 2, 0], 4)
+
+
+def test_padded_causal_mask_hides_pads_and_is_causal():
+    valid = np.array([[True, True, True, True], [False, False, True, True]])  # row 1: left-padded
+    m = np.array(masks.padded_causal_mask(valid, 0, 4))
+    assert m.shape == (2, 1, 4, 4)
+    np.testing.assert_array_equal(m[0, 0], np.tril(np.ones((4, 4), dtype=bool)))
+    assert m[1, 0].tolist() == [[True, False, False, False], [False, True, False, False],  # pads: self only
+                                [False, False, True, False], [False, False, True, True]]
+    # a later chunk: queries at slots 2..3 see every earlier valid slot
+    np.testing.assert_array_equal(np.array(masks.padded_causal_mask(valid, 2, 4)), m[:, :, 2:4])
+    # one decoding query at the last slot sees exactly the row's valid slots
+    np.testing.assert_array_equal(np.array(masks.padded_causal_mask(valid, 3, 4))[:, 0, 0], valid)
+
+
+def test_path_mask_sees_exactly_each_rows_slots():
+    m = np.array(masks.path_mask([[0, 1, 4], [0, 2], []], 5))
+    assert m.shape == (1, 1, 3, 5)
+    assert m[0, 0].tolist() == [[True, True, False, False, True], [True, False, True, False, False],
+                                [False] * 5]

@@ -17,7 +17,8 @@ from typing import Dict, List, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
+
+from .. import masks
 
 GROW_STEP = 256
 
@@ -143,12 +144,9 @@ class ForkableKVCache:
             # here" is its path, as in a contiguous cache.
             self._step_offset = start
             return None, (None if len(slots) == 1 else "causal")
-        mask = np.zeros((len(thread_ids), self.high_water), dtype=bool)
-        for row, (tid, slot) in enumerate(zip(thread_ids, slots)):
-            path = self.paths[tid]
-            visible = path[: path.index(slot) + 1]  # its path up to and including itself
-            mask[row, visible] = True
-        return mx.array(positions, dtype=mx.int32)[None], mx.array(mask)[None, None]
+        visible = [self.paths[tid][: self.paths[tid].index(slot) + 1]  # its path up to and including itself
+                   for tid, slot in zip(thread_ids, slots)]
+        return mx.array(positions, dtype=mx.int32)[None], masks.path_mask(visible, self.high_water)
 
     def undo_step(self, thread_ids: Sequence[int]) -> None:
         """Take back the last `begin_step(thread_ids)`: each thread drops its newest slot and the

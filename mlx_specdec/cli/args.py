@@ -24,44 +24,6 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 METHODS_HELP = "ar (plain), mlx-lm (peer baseline), redrafter, apar"
 
 
-def _add_method_args(p: argparse.ArgumentParser, lists: bool = False) -> None:
-    """Method settings; in `bench` they take comma lists and every combination runs."""
-    kind = "comma list of " if lists else ""
-    p.add_argument("--drafter", default="auto",
-                   help="ReDrafter head directory; 'auto' = the head shipped in models/ for this model")
-    p.add_argument("--beam-width", default=None,
-                   help=f"redrafter: {kind}beam width W (default: 2)")
-    p.add_argument("--beam-length", default=None,
-                   help=f"redrafter: {kind}beam length L, the LLM's token + L-1 drafts (default: 5)")
-    p.add_argument("--profile", action="store_true",
-                   help="redrafter: sync after each phase to report draft/verify/accept time (slower)")
-    p.add_argument("--max-threads", default=None,
-                   help=f"apar: {kind}most live threads per answer (default: 32)")
-    p.add_argument("--max-depth", default=None,
-                   help=f"apar: {kind}deepest fork, 0 = never fork (default: 2)")
-    p.add_argument("--fork-probe", default=None,
-                   help=f"apar: {kind}on = the original model writes until the first fork, decided by the "
-                        "adapter's fork probe (an unforked answer is the original's); off = the adapted "
-                        "model writes everything (default: on where the adapter ships a probe)")
-
-
-def _method_options(args) -> dict:
-    options = {}
-    if args.beam_width is not None:
-        options["beam_width"] = _positive_int(args.beam_width, "--beam-width")
-    if args.beam_length is not None:
-        options["beam_length"] = _positive_int(args.beam_length, "--beam-length")
-    if args.profile:
-        options["profile"] = True
-    if args.max_threads is not None:
-        options["max_threads"] = _positive_int(args.max_threads, "--max-threads")
-    if args.max_depth is not None:
-        options["max_depth"] = _nonnegative_int(args.max_depth, "--max-depth")
-    if args.fork_probe is not None:
-        options["fork_probe"] = _on_off(args.fork_probe, "--fork-probe")
-    return options
-
-
 def _on_off(value: str, flag: str) -> bool:
     if value.strip().lower() not in ("on", "off"):
         raise UserError(f"{flag} is on or off, not {value!r}")
@@ -91,6 +53,53 @@ def _comma_list(text: str, kind=str) -> List:
         return [kind(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise UserError(f"bad comma list {text!r}") from None
+
+
+# Each method setting once: (method, option name, flag, help, parser of one value). generate and
+# chat take one value; bench takes a comma list and runs every combination.
+METHOD_SETTINGS = [
+    ("redrafter", "beam_width", "--beam-width", "beam width W (default: 2)", _positive_int),
+    ("redrafter", "beam_length", "--beam-length", "beam length L, the LLM's token + L-1 drafts (default: 5)",
+     _positive_int),
+    ("apar", "max_threads", "--max-threads", "most live threads per answer (default: 32)", _positive_int),
+    ("apar", "max_depth", "--max-depth", "deepest fork, 0 = never fork (default: 2)", _nonnegative_int),
+    ("apar", "fork_probe", "--fork-probe",
+     "on = the original model writes until the first fork, decided by the adapter's fork probe (an "
+     "unforked answer is the original's); off = the adapted model writes everything (default: on where "
+     "the adapter ships a probe)", _on_off),
+]
+
+
+def _add_method_args(p: argparse.ArgumentParser, lists: bool = False) -> None:
+    """Method settings; in `bench` they take comma lists and every combination runs."""
+    kind = "comma list of " if lists else ""
+    p.add_argument("--drafter", default="auto",
+                   help="ReDrafter head directory; 'auto' = the head shipped in models/ for this model")
+    for method, _, flag, text, _ in METHOD_SETTINGS:
+        p.add_argument(flag, default=None, help=f"{method}: {kind}{text}")
+        if flag == "--beam-length":  # argparse lists options in the order they are added
+            p.add_argument("--profile", action="store_true",
+                           help="redrafter: sync after each phase to report draft/verify/accept time (slower)")
+
+
+def _method_options(args) -> dict:
+    """One value per setting given (generate, chat)."""
+    options = {name: parser(getattr(args, name), flag)
+               for _, name, flag, _, parser in METHOD_SETTINGS if getattr(args, name) is not None}
+    if args.profile:
+        options["profile"] = True
+    return options
+
+
+def method_grids(args) -> dict:
+    """{method: {option: [values]}} from comma lists (bench: every combination runs)."""
+    grids: dict = {}
+    for method, name, flag, _, parser in METHOD_SETTINGS:
+        if getattr(args, name):
+            grids.setdefault(method, {})[name] = [parser(v, flag) for v in _comma_list(getattr(args, name))]
+    if args.profile:
+        grids.setdefault("redrafter", {})["profile"] = [True]
+    return grids
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:

@@ -6,8 +6,7 @@ import sys
 from pathlib import Path
 
 from ..errors import UserError
-from .args import (METHODS_HELP, _add_method_args, _add_model_args, _comma_list, _nonnegative_int, _on_off,
-                   _positive_int, load_engine)
+from .args import METHODS_HELP, _add_method_args, _add_model_args, _comma_list, load_engine, method_grids
 
 
 def add_parser(sub) -> None:
@@ -27,7 +26,9 @@ def add_parser(sub) -> None:
                         "--categories, a prompt is kept if it matches either")
     p.add_argument("--limit", type=int, default=None, help="use the first K prompts")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per answer (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=1, help="repeat the whole run R times (default: 1)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="repeat the whole run R times; the sd over repeats needs R >= 2, else it is n/a "
+                        "(default: 1)")
     p.add_argument("--temp", type=float, default=0.0, help="temperature (default: greedy)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--format", default="md", help="md, json or csv (default: md)")
@@ -42,21 +43,7 @@ def cmd_bench(args) -> int:
     from ..decoding import GenerationParams
 
     methods = _comma_list(args.methods)
-    redrafter_grid = {}
-    if args.beam_width:
-        redrafter_grid["beam_width"] = [_positive_int(v, "--beam-width") for v in _comma_list(args.beam_width)]
-    if args.beam_length:
-        redrafter_grid["beam_length"] = [_positive_int(v, "--beam-length") for v in _comma_list(args.beam_length)]
-    if args.profile:
-        redrafter_grid["profile"] = [True]
-    apar_grid = {}
-    if args.max_threads:
-        apar_grid["max_threads"] = [_positive_int(v, "--max-threads") for v in _comma_list(args.max_threads)]
-    if args.max_depth:
-        apar_grid["max_depth"] = [_nonnegative_int(v, "--max-depth") for v in _comma_list(args.max_depth)]
-    if args.fork_probe:
-        apar_grid["fork_probe"] = [_on_off(v, "--fork-probe") for v in _comma_list(args.fork_probe)]
-    configs = expand_configs(methods, {"redrafter": redrafter_grid, "apar": apar_grid})
+    configs = expand_configs(methods, method_grids(args))
     prompts = load_prompts(args.prompts, limit=args.limit,
                            categories=_comma_list(args.categories) if args.categories else None,
                            shapes=_comma_list(args.shapes) if args.shapes else None)

@@ -18,6 +18,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from .. import masks
 from ..acceptance import sample_token
 from ..cache import ContiguousKVCache
 from ..errors import ContextOverflow
@@ -183,11 +184,9 @@ def prefill_rows(ctx: DecodeContext, cache, rows: Sequence[Sequence[int]]) -> np
     chunk = max(1, ctx.params.prefill_chunk)
     for start in range(0, width, chunk):
         end = min(width, start + chunk)
-        causal = np.arange(end)[None, :] <= np.arange(start, end)[:, None]  # (c, end)
-        mask = causal[None] & valid[:, None, :end]
-        mask[:, np.arange(end - start), np.arange(start, end)] = True  # pads see themselves
+        mask = masks.padded_causal_mask(valid, start, end)  # (B, 1, c, end): pads see themselves
         forward(ctx.lm.model, mx.array(tokens[:, start:end]), cache,
-                positions=mx.array(positions[:, start:end]), mask=mx.array(mask)[:, None], logits_for="none")
+                positions=mx.array(positions[:, start:end]), mask=mask, logits_for="none")
         mx.eval(cache.state)  # deliberate sync per chunk (see `prefill`)
     ctx.prefill_done_at = time.perf_counter()
     return valid

@@ -12,6 +12,9 @@ latest token `x`, and with the hidden state `h` that produced `x` (per batch row
 
 The step's only host sync reads the acceptance result *and* the next step's drafts together: the
 next draft is built lazily from the accepted path's hidden state before anything is read back.
+Before the first step the first tokens are read on their own and yielded, then the first draft
+is built and read: like every method, ReDrafter's TTFT is prefill + the first token's forward,
+and all drafting is decoding time.
 
 A batch of prompts runs as rows of one cache. Rows accept different numbers of tokens, so the
 cache is ragged: every row is packed from the same physical offset and a row that kept fewer
@@ -103,15 +106,19 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     valid = np.concatenate([valid, np.ones((len(rows), 1), dtype=bool)], axis=1)
     lengths += 1
     token = own_token(out.logits[:, -1])
-    drafts, owner = draft(out.hidden[:, -1], token)
-    token, beams, owner = _read(token, drafts.beams, owner)  # host sync: first tokens + drafts
+    # Host sync: the first tokens alone, yielded before any drafting. TTFT ends here, as for every
+    # method (prefill + the forward of the last prompt token); the first draft is decoding time.
+    first = _read(token)[0]
     stats.forward_passes += 1
     emitted = np.zeros(len(rows), dtype=np.int64)
     committed = cache.offset
     for b in rows:
-        yield Step([int(token[b])], thread_id=b)
+        yield Step([int(first[b])], thread_id=b)
     emitted += 1
-    rows, keep = _drop_finished(rows, [[int(t)] for t in token], emitted, eos, params.max_tokens)
+    rows, keep = _drop_finished(rows, [[int(t)] for t in first], emitted, eos, params.max_tokens)
+    if rows:  # the first draft, from the prompt's last hidden state and the first tokens
+        drafts, owner = draft(out.hidden[:, -1], token)
+        beams, owner = _read(drafts.beams, owner)  # host sync: the first drafts and their owners
     try:
         while rows:
             if keep is not None:  # some rows finished: they leave the batch

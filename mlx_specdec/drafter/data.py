@@ -28,6 +28,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
+from .. import masks
 from ..cache.contiguous import ContiguousKVCache
 from ..errors import UserError
 from ..model.forward import forward
@@ -73,12 +74,10 @@ def batched_greedy(lm, prompts: Sequence[List[int]], max_new_tokens: int) -> Lis
     pad = mx.array(pads, dtype=mx.int32)[:, None]  # (B, 1)
     idx = mx.arange(P, dtype=mx.int32)[None, :]  # (1, P)
     positions = mx.maximum(idx - pad, 0)  # (B, P)
-    key_real = idx >= pad  # (B, P)
-    causal = idx.T >= idx  # (P, P) query >= key
-    diag = mx.eye(P, dtype=mx.bool_)  # pad queries attend to themselves (no all-masked rows)
-    mask = (causal[None] & key_real[:, None, :]) | diag[None]  # (B, P, P)
+    key_real = np.arange(P)[None, :] >= np.array(pads)[:, None]  # (B, P) not padding
+    mask = masks.padded_causal_mask(key_real, 0, P)  # (B, 1, P, P): pad queries see themselves
     cache = ContiguousKVCache.for_model(model)
-    out = forward(model, tokens, cache, positions=positions, mask=mask[:, None], logits_for="last")
+    out = forward(model, tokens, cache, positions=positions, mask=mask, logits_for="last")
     hidden = out.hidden[:, -1, :]  # (B, D)
     next_tok = mx.argmax(out.logits[:, -1, :], axis=-1).astype(mx.int32)  # (B,)
     mx.eval(next_tok, hidden)
@@ -106,12 +105,13 @@ def batched_greedy(lm, prompts: Sequence[List[int]], max_new_tokens: int) -> Lis
                 layer.keys = layer.keys[keep_arr]
                 layer.values = layer.values[keep_arr]
             rows = [rows[j] for j in keep]
-            key_real, next_tok, next_pos = key_real[keep_arr], next_tok[keep_arr], next_pos[keep_arr]
+            key_real, next_tok, next_pos = key_real[keep], next_tok[keep_arr], next_pos[keep_arr]
         n = len(rows)
         extra += 1
-        step_mask = mx.concatenate([key_real, mx.ones((n, extra), dtype=mx.bool_)], axis=1)  # (n, keys)
+        keys = np.concatenate([key_real, np.ones((n, extra), dtype=bool)], axis=1)  # (n, P + extra)
+        step_mask = masks.padded_causal_mask(keys, keys.shape[1] - 1, keys.shape[1])  # (n, 1, 1, keys)
         out = forward(model, next_tok[:, None], cache, positions=next_pos + step,
-                      mask=step_mask[:, None, None, :], logits_for="last")
+                      mask=step_mask, logits_for="last")
         hidden = out.hidden[:, -1, :]
         next_tok = mx.argmax(out.logits[:, -1, :], axis=-1).astype(mx.int32)
         mx.async_eval(next_tok, hidden)
