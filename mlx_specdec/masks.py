@@ -117,6 +117,21 @@ def ragged_tree_mask(valid: np.ndarray, trees: Sequence[Sequence[int]], width: i
     return mx.array(mask)
 
 
+def tree_tail_mask(trees: Sequence[Sequence[int]], width: int) -> mx.array:
+    """(B, 1, width, width): `ragged_tree_mask` when every cached slot of every row is a token
+    (one row, or rows without holes), as a tail mask: it covers only the width new tokens, and
+    every cached key before them is visible to every query (the tail-mask convention of
+    model/attention.py, which then needs no mask over the long prefix). Padding tokens see the
+    prefix and themselves; no real token sees them."""
+    mask = np.zeros((len(trees), 1, width, width), dtype=bool)
+    for b, parents in enumerate(trees):
+        n = len(parents)
+        mask[b, 0, :n, :n] = tree_mask_np(parents)
+        pads = np.arange(n, width)
+        mask[b, 0, pads, pads] = True
+    return mx.array(mask)
+
+
 def ragged_tree_positions(lengths: Sequence[int], trees: Sequence[Sequence[int]], width: int) -> mx.array:
     """(B, width) positions: row b's token at depth d sits at lengths[b] + d; padding at 0."""
     positions = np.zeros((len(trees), width), dtype=np.int32)

@@ -362,7 +362,7 @@ def test_bench_rows_carry_the_whole_restored_answer_and_the_apar_figures():
 
 
 def test_bench_scores_every_answer_under_the_original_model_for_the_quality_guard():
-    from mlx_specdec.bench import render
+    from mlx_specdec.bench_report import render
 
     result = bench_tiny_ar_and_apar()
     for row in result["rows"]:

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from mlx_specdec.bench import MethodConfig, Prompt, render, run_bench, run_one, summarize
+from mlx_specdec.bench import MethodConfig, Prompt, run_bench, run_one, summarize
+from mlx_specdec.bench_report import render
 from mlx_specdec.decoding import GenerationParams
 
 from conftest import make_tiny_lm

@@ -39,7 +39,8 @@ def add_parser(sub) -> None:
 
 
 def cmd_bench(args) -> int:
-    from ..bench import expand_configs, load_prompts, plot_bench, print_summary, render, run_bench
+    from ..bench import expand_configs, load_prompts, run_bench
+    from ..bench_report import plot_bench, print_summary, render
     from ..decoding import GenerationParams
 
     methods = _comma_list(args.methods)

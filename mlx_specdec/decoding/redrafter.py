@@ -135,7 +135,10 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
                 tokens[b, : len(tree.tokens)] = tree.tokens
             parents = [t.parents for t in trees]
             positions = masks.ragged_tree_positions(lengths, parents, n)  # (B, N)
-            mask = masks.ragged_tree_mask(valid, parents, n)  # (B, 1, N, P + N)
+            if valid.all():  # no holes: a tail mask over the tree alone; every query sees the prefix
+                mask = masks.tree_tail_mask(parents, n)  # (B, 1, N, N)
+            else:
+                mask = masks.ragged_tree_mask(valid, parents, n)  # (B, 1, N, P + N)
             index = mx.array(np.stack([t.index for t in trees]).reshape(len(rows), -1))  # (B, W*L)
             t0 = mark("pack_s", t0)
 

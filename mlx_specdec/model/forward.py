@@ -6,7 +6,9 @@ verify a token tree: two tokens at the same depth of different branches need the
 layers all work unchanged) and takes per-token `positions` and an explicit attention `mask`.
 
 With `positions=None` and `mask=None` it does exactly what mlx-lm does (scalar RoPE offset,
-"causal" mask for more than one query), so plain decoding matches `mlx_lm.generate` bit for bit.
+"causal" mask for more than one query), so plain decoding matches `mlx_lm.generate` bit for bit;
+on the CPU over a cache of `attention.GROUPED_MIN_KEYS` or more keys it computes the same
+attention a faster way (`attention.py`), equal up to float rounding.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any, Literal, Optional, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-Mask = Union[None, str, mx.array]
+from .attention import Mask, attention_over_cache
 
 
 @dataclass
@@ -56,7 +58,7 @@ def attention(attn: nn.Module, x: mx.array, positions: Optional[mx.array], cache
     if cache is not None:
         keys, values = cache.update_and_fetch(keys, values)
 
-    out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=attn.scale, mask=mask)
+    out = attention_over_cache(queries, keys, values, attn.scale, mask)  # (B, Hq, L, Dh)
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))  # (B, L, D)
 
 
@@ -85,7 +87,9 @@ def forward(
     cache:      a model-level cache (`cache.layers[i]` per block, `cache.offset`) or None.
     positions:  (B, L) int positions per token, or None for contiguous from `cache.offset`.
     mask:       None, "causal", or a boolean/additive array broadcastable to
-                (B, heads, L, cached + L). None means "causal" when L > 1 (as mlx-lm).
+                (B, heads, L, cached + L). None means "causal" when L > 1 (as mlx-lm). A mask
+                narrower than the keys is a tail mask: it covers the last keys and every
+                earlier key is visible to every query (model/attention.py).
     logits_for: "all", "last", "none", or an index array (K,) of query positions to project.
     """
     inner = model.model

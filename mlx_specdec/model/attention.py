@@ -1,0 +1,153 @@
+"""Attention over the KV cache: MLX's fused kernel, or on the CPU over a long cache a grouped one.
+
+On Metal `mx.fast.scaled_dot_product_attention` is a fused kernel: it is always used there. On
+the CPU it is composed from ops, and over a long cache its softmax dominates: MLX's CPU `exp`
+costs ~12 ns an element, so 6 queries x 9 heads over 8K keys spend ~5 ms per layer in `exp`
+alone, against ~1.2 ms for both matmuls (benchmarks/results/attention_cost_cpu.md). The grouped
+path computes the same attention with
+
+- the query heads of one KV head stacked into one matrix, so each KV head is read once for all
+  its G query heads and all T query tokens: scores (B, Hkv, G*T, S) = one GEMM per KV head;
+- `exp` as 2^n * e^r (x = n ln 2 + r, e^r by a degree-7 polynomial), fused by `mx.compile`
+  into one elementwise kernel: relative error < 2e-7 (float32), 4-5x faster here;
+- the normalisation after the value matmul: (e @ V) / sum(e), T x D divisions instead of T x S.
+
+It is used only where measured to pay (`use_grouped`): on the CPU with at least
+`GROUPED_MIN_KEYS` keys. Below that (every short-context test, and the bit-exact parity with
+mlx-lm) the fused path runs unchanged. Both compute softmax(Q K^T * scale + mask) V; they differ
+by float rounding (measured max |diff| in benchmarks/results/attention_cost_cpu.md).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Union
+
+import mlx.core as mx
+
+from .. import masks
+
+Mask = Union[None, str, mx.array]
+
+# Chosen by benchmarks/attention_cost.py on the 2-core CPU (benchmarks/results/attention_cost_cpu.md).
+GROUPED_MIN_KEYS = 1024  # fewer keys: the fused op is as fast
+
+_LOG2E = 1.4426950408889634
+_LN2_HI = 0.693145751953125  # ln 2 = _LN2_HI + _LN2_LO; _LN2_HI has 16 significant bits
+_LN2_LO = 1.4286068203094173e-06
+_P = [1.0 / math.factorial(k) for k in range(8)]  # e^r = sum r^k / k!, |r| <= 0.35: error < 3e-8
+_FLOOR = -87.0  # e^-87 ~ 1.6e-38: the smallest normal float32, so 2^n stays a normal number
+
+
+def _exp_parts(x: mx.array):
+    """For e^x, x <= 0 (float32, clamped at -87): (e^r, the float32 bits of 2^n), x = n ln2 + r.
+
+    n = round(x / ln2); r = x - n ln2 with ln2 split in two (Cody-Waite: n * _LN2_HI is exact),
+    so r keeps its digits however large |x| is; e^r on |r| <= ln2/2 by its Taylor polynomial.
+    Elementwise only, so `mx.compile(shapeless=True)` fuses it into one kernel reused for every
+    cache length; the bits become a float outside it (a bitcast has no shapeless form)."""
+    x = mx.maximum(x, _FLOOR)
+    n = mx.round(x * _LOG2E)
+    r = (x - n * _LN2_HI) - n * _LN2_LO
+    p = _P[-1]
+    for c in reversed(_P[:-1]):  # Horner
+        p = p * r + c
+    return p, (n.astype(mx.int32) + 127) << 23  # the IEEE exponent field of 2^n, n in [-126, 0]
+
+
+def _shifted_exp_parts(x: mx.array, shift: mx.array):
+    return _exp_parts(x - shift)
+
+
+_exp_parts_fused = mx.compile(_shifted_exp_parts, shapeless=True)
+
+
+def fast_exp(x: mx.array, shift: float | mx.array = 0.0) -> mx.array:
+    """e^(x - shift) for x <= shift (shift broadcasts: a row maximum), relative error < 2e-7;
+    ~5x MLX's CPU `exp` here (0.9 vs 5.2 ms over 432K elements). The subtraction is fused in."""
+    p, bits = _exp_parts_fused(x, mx.array(shift, dtype=mx.float32) if not isinstance(shift, mx.array) else shift)
+    return p * mx.view(bits, mx.float32)
+
+
+def use_grouped(queries: mx.array, keys: mx.array) -> bool:
+    """The grouped path only where it was measured to pay: the CPU and a long cache (any number
+    of queries: a one-token step, a verify, a prefill chunk; benchmarks/results/attention_cost_cpu.md)."""
+    return keys.shape[2] >= GROUPED_MIN_KEYS and mx.default_device() == mx.cpu
+
+
+def full_width(mask: Mask, queries: mx.array, keys: mx.array) -> Mask:
+    """A tail mask (narrower than the keys: it covers the last keys, every earlier key is visible
+    to every query) widened to all keys, for MLX's attention; any other mask unchanged."""
+    if not isinstance(mask, mx.array) or mask.shape[-1] == keys.shape[2]:
+        return mask
+    head = mx.ones(mask.shape[:-1] + (keys.shape[2] - mask.shape[-1],), dtype=mx.bool_)
+    if mask.dtype != mx.bool_:
+        head = mx.zeros(head.shape, dtype=mask.dtype)
+    return mx.concatenate([head, mask], axis=-1)
+
+
+def _grouped(mask: mx.array, Hkv: int, G: int) -> mx.array:
+    """A mask broadcastable to (B, Hq, T, M) -> broadcastable to (B, Hkv, G, T, M)."""
+    while mask.ndim < 4:
+        mask = mask[None]
+    if mask.shape[1] == 1:
+        return mask[:, :, None]  # (B|1, 1, 1, T, M)
+    return mask.reshape(mask.shape[0], Hkv, G, mask.shape[2], mask.shape[3])
+
+
+def _masked_scores(scores: mx.array, mask: mx.array):
+    """Scores (B, Hkv, G, T, M) under a boolean or additive mask: (scores, keep or None)."""
+    if mask.dtype == mx.bool_:
+        return mx.where(mask, scores, -math.inf), mask
+    return scores + mask.astype(mx.float32), None
+
+
+def grouped_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                      mask: Mask = None) -> mx.array:
+    """softmax(Q K^T * scale + mask) V with the query heads grouped per KV head.
+
+    queries (B, Hq, T, Dh); keys, values (B, Hkv, S, Dh). mask: None; "causal" (bottom-right
+    aligned, as SDPA: query i sees keys 0 .. S - T + i); or a boolean (True = attend) or additive
+    array broadcastable to (B, Hq, T, M). M = S masks every key; M < S is a tail mask: it masks
+    the last M keys, and the first S - M (the prefix every query of a verify sees) are visible to
+    all: those scores need no mask at all, the one elementwise pass over them is the fused exp.
+    Returns (B, Hq, T, Dh) in the queries' dtype.
+    """
+    B, Hq, T, Dh = queries.shape
+    Hkv, S = keys.shape[1], keys.shape[2]
+    G = Hq // Hkv
+    if isinstance(mask, str):
+        mask = masks.causal_mask(T, 0)  # (T, T) over the last T keys: a tail mask
+    M = 0 if mask is None else mask.shape[-1]  # keys under the mask, at the end
+    q = (queries * scale).reshape(B, Hkv, G * T, Dh)  # heads h = j*G + g share KV head j
+    parts = []  # (scores (B, Hkv, G, T, n), keep or None, values (B, Hkv, n, Dh)) per key block
+    if M < S:  # the keys every query sees
+        head = (q @ keys[:, :, : S - M].swapaxes(-1, -2)).astype(mx.float32)
+        parts.append((head.reshape(B, Hkv, G, T, S - M), None, values[:, :, : S - M]))
+    if M:
+        tail = (q @ keys[:, :, S - M:].swapaxes(-1, -2)).astype(mx.float32).reshape(B, Hkv, G, T, M)
+        tail, keep = _masked_scores(tail, _grouped(mask, Hkv, G))
+        parts.append((tail, keep, values[:, :, S - M:]))
+    peak = parts[0][0].max(axis=-1, keepdims=True)  # every row sees a key: finite
+    for scores, _, _ in parts[1:]:
+        peak = mx.maximum(peak, scores.max(axis=-1, keepdims=True))
+    out, total = None, None
+    for scores, keep, block_values in parts:
+        weights = fast_exp(scores, peak)  # (B, Hkv, G, T, n) in (0, 1]
+        if keep is not None:
+            weights = mx.where(keep, weights, 0.0)  # a masked key adds exactly nothing
+        n = weights.shape[-1]
+        partial = weights.reshape(B, Hkv, G * T, n).astype(values.dtype) @ block_values  # (B, Hkv, G*T, Dh)
+        out = partial if out is None else out + partial
+        total = weights.sum(axis=-1) if total is None else total + weights.sum(axis=-1)  # (B, Hkv, G, T)
+    out = out.reshape(B, Hkv, G, T, Dh) / total[..., None].astype(out.dtype)
+    return out.reshape(B, Hq, T, Dh)
+
+
+def attention_over_cache(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                         mask: Mask = None) -> mx.array:
+    """The attention every forward uses: the grouped path where it pays, else MLX's own."""
+    if use_grouped(queries, keys):
+        return grouped_attention(queries, keys, values, scale, mask)
+    mask = full_width(mask, queries, keys)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)

@@ -1,0 +1,130 @@
+"""The grouped CPU attention (mlx_specdec/model/attention.py) computes what MLX's fused attention
+computes: every mask kind, GQA groups, batches; a masked key adds exactly nothing; the fast exp's
+error; and on a tiny model with the path forced on, every method's greedy output is still `ar`'s."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_specdec.decoding import GenerationParams
+from mlx_specdec.model import attention
+from mlx_specdec.model.attention import fast_exp, grouped_attention
+
+from conftest import make_tiny_lm
+
+
+def fused(q, k, v, mask):
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+
+
+def random_qkv(B, Hq, Hkv, T, S, seed=0):
+    mx.random.seed(seed)
+    return (mx.random.normal((B, Hq, T, 64)), mx.random.normal((B, Hkv, S, 64)),
+            mx.random.normal((B, Hkv, S, 64)))
+
+
+def mask_of(kind, B, Hq, T, S):
+    rng = np.random.default_rng(1)
+    if kind in (None, "causal"):
+        return kind
+    heads = 1 if kind == "bool, one head" else Hq
+    keep = rng.random((B, heads, T, S)) > 0.4
+    keep[..., 0] = True  # every query sees a key
+    if kind == "additive":
+        return mx.array(np.where(keep, 0.0, -1e9).astype(np.float32))
+    return mx.array(keep)
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(9, 3), (4, 4), (8, 2)])
+@pytest.mark.parametrize("T,S", [(1, 40), (6, 40), (6, 1500), (3, 3)])
+@pytest.mark.parametrize("kind", [None, "causal", "bool, one head", "bool, every head", "additive"])
+def test_grouped_attention_equals_fused_attention(Hq, Hkv, T, S, kind):
+    """(No mask with several queries never reaches attention: the forward makes it "causal".)"""
+    q, k, v = random_qkv(2, Hq, Hkv, T, S)
+    mask = mask_of(kind, 2, Hq, T, S)
+    got, want = grouped_attention(q, k, v, 0.125, mask), fused(q, k, v, mask)
+    assert got.shape == want.shape == (2, Hq, T, 64)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-6, rtol=1e-5)
+
+
+def test_a_masked_key_adds_exactly_nothing():
+    q, k, v = random_qkv(1, 9, 3, 4, 300)
+    keep = np.array(mask_of("bool, every head", 1, 9, 4, 300))
+    hidden = np.zeros(300, dtype=bool)
+    hidden[100:150] = True  # keys no query of any head may see
+    keep[..., hidden] = False
+    mask = mx.array(keep)
+    v2 = np.array(v)
+    v2[:, :, hidden] = 1e6
+    k2 = np.array(k)
+    k2[:, :, hidden] = -1e3
+    a = grouped_attention(q, k, v, 0.125, mask)
+    b = grouped_attention(q, mx.array(k2), mx.array(v2), 0.125, mask)
+    assert np.array_equal(np.array(a), np.array(b))
+
+
+def test_fast_exp_relative_error():
+    x = mx.linspace(-87, 0, 200_001)
+    got, want = np.array(fast_exp(x), np.float64), np.exp(np.array(x, np.float64))
+    assert np.max(np.abs(got - want) / want) < 2e-7
+    assert float(fast_exp(mx.array([-1e30]))[0]) < 1e-37  # far below: clamped, never NaN or inf
+    assert float(fast_exp(mx.array([0.0]))[0]) == 1.0
+
+
+def test_the_grouped_path_is_used_only_on_the_cpu_over_a_long_cache(monkeypatch):
+    q, k, v = random_qkv(1, 9, 3, 1, 8)
+    assert not attention.use_grouped(q, k)  # 8 keys: the fused path (short-context parity)
+    monkeypatch.setattr(attention, "GROUPED_MIN_KEYS", 8)
+    assert attention.use_grouped(q, k) == (mx.default_device() == mx.cpu)
+
+
+@pytest.mark.parametrize("method,options", [("redrafter", {"beam_width": 2, "beam_length": 4}), ("ar", {})])
+def test_methods_keep_greedy_identity_with_the_grouped_path(monkeypatch, method, options):
+    """Forced on from the first key: `ar` with the grouped path equals `ar` with the fused one on
+    this tiny model (its argmax margins are wide), and ReDrafter's multi-token verify over it
+    equals `ar` over it."""
+    from test_redrafter import PROMPTS, engine_with, oracle_head
+
+    lm = make_tiny_lm(seed=3, eos_id=96)
+    engine = engine_with(lm, oracle_head(lm, PROMPTS))
+
+    def tokens(name, opts):
+        events = engine.generate_ids(PROMPTS[1], name, GenerationParams(max_tokens=40, options=opts))
+        return [t for e in events if e.kind == "token" for t in e.tokens]
+
+    plain = tokens("ar", {})
+    monkeypatch.setattr(attention, "GROUPED_MIN_KEYS", 1)
+    assert tokens(method, options) == plain
+
+
+@pytest.mark.parametrize("kind", ["bool, one head", "bool, every head", "additive"])
+@pytest.mark.parametrize("T,S,M", [(6, 1500, 6), (4, 40, 10), (1, 300, 1)])
+def test_a_tail_mask_masks_the_last_keys_and_shows_every_earlier_one(kind, T, S, M):
+    """A mask narrower than the keys covers the last M keys; the first S - M are seen by every
+    query: grouped with the tail mask == fused with the mask widened by ones (and the fused path
+    of attention_over_cache widens it itself)."""
+    q, k, v = random_qkv(1, 9, 3, T, S)
+    tail = mask_of(kind, 1, 9, T, M)
+    widened = attention.full_width(tail, q, k)
+    assert widened.shape[-1] == S
+    head = np.array(widened)[..., : S - M]
+    assert (head if widened.dtype == mx.bool_ else head == 0).all()
+    want = fused(q, k, v, widened)
+    np.testing.assert_allclose(np.array(grouped_attention(q, k, v, 0.125, tail)), np.array(want), atol=2e-6, rtol=1e-5)
+    got = attention.attention_over_cache(q, k, v, 0.125, tail)  # S < GROUPED_MIN_KEYS: the fused path
+    if S < attention.GROUPED_MIN_KEYS:
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-6)
+
+
+def test_redrafter_tree_tail_mask_equals_its_full_ragged_mask():
+    from mlx_specdec import masks
+
+    trees = [[-1, 0, 0, 1], [-1, 0]]
+    valid = np.ones((2, 7), dtype=bool)
+    full = np.array(masks.ragged_tree_mask(valid, trees, 4))
+    tail = np.array(masks.tree_tail_mask(trees, 4))
+    assert tail.shape == (2, 1, 4, 4)
+    np.testing.assert_array_equal(full[:, :, :2, 7:], tail[:, :, :2])  # real tokens: the same tree
+    np.testing.assert_array_equal(full[0, :, :, 7:], tail[0])  # a full row: the same everywhere
+    assert full[0, 0, :, :7].all() and full[1, 0, :2, :7].all()  # real tokens see every cached slot
+    np.testing.assert_array_equal(tail[1, 0, 2:, 2:], np.eye(2, dtype=bool))  # padding sees itself
