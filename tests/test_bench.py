@@ -2,7 +2,6 @@
 the point every method's decoding time starts from (ReDrafter's first draft is decoding)."""
 
 import csv
-import importlib
 import io
 import json
 import time
@@ -16,7 +15,6 @@ from mlx_specdec.decoding import GenerationParams
 from conftest import make_tiny_lm
 from test_redrafter import PROMPTS, engine_with, random_head, run
 
-redrafter_module = importlib.import_module("mlx_specdec.decoding.redrafter")  # the package exports the function
 
 CONFIGS = [MethodConfig("ar"), MethodConfig("redrafter", {"beam_width": 1}),
            MethodConfig("redrafter", {"beam_width": 2}), MethodConfig("mlx-lm")]
@@ -131,29 +129,20 @@ DELAY = 0.3
 
 
 def slow_first_draft(monkeypatch):
-    """Both ReDrafter draft functions, the first draft of a generation delayed by DELAY seconds.
-    Returns the perf_counter times at which drafts were asked for."""
+    """ReDrafter's proposer (greedy beam search or sampled chains), the first draft of a
+    generation delayed by DELAY seconds. Returns the perf_counter times drafts were asked for."""
+    from mlx_specdec.drafting.head import HeadProposer
+
     started = []
+    propose = HeadProposer.propose
 
-    def slowed(make, returns_drafts):
-        def patched(*args, **kwargs):
-            if returns_drafts:  # sample_beams: the draft itself
-                started.append(time.perf_counter())
-                if len(started) == 1:
-                    time.sleep(DELAY)
-                return make(*args, **kwargs)
-            search = make(*args, **kwargs)  # compiled_beam_search returns the draft function
+    def patched(self, *args, **kwargs):
+        started.append(time.perf_counter())
+        if len(started) == 1:
+            time.sleep(DELAY)
+        return propose(self, *args, **kwargs)
 
-            def draft(*a):
-                started.append(time.perf_counter())
-                if len(started) == 1:
-                    time.sleep(DELAY)
-                return search(*a)
-            return draft
-        return patched
-
-    monkeypatch.setattr(redrafter_module, "compiled_beam_search", slowed(redrafter_module.compiled_beam_search, False))
-    monkeypatch.setattr(redrafter_module, "sample_beams", slowed(redrafter_module.sample_beams, True))
+    monkeypatch.setattr(HeadProposer, "propose", patched)
     return started
 
 

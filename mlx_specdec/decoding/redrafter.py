@@ -31,7 +31,8 @@ import numpy as np
 
 from .. import masks
 from ..acceptance import Accepted, greedy_accept, sampling_accept, target_probs
-from ..drafter.beam import Drafts, compiled_beam_search, dedup_prefix, pack_beams, sample_beams
+from ..drafter.beam import pack_beams
+from ..drafting import HeadProposer, Proposal, select_rows
 from ..errors import UserError
 from ..model.forward import forward
 from .base import DecodeContext, Step, new_contiguous_cache, prefill_rows
@@ -59,25 +60,19 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     embed = model.model.embed_tokens
     greedy = params.greedy
     eos = ctx.lm.eos_token_ids
-    search = compiled_beam_search(head, embed, width, length) if greedy else None
-
-    def draft(hidden: mx.array, token: mx.array):  # hidden (B, D), token (B,) -> Drafts, owner
-        if greedy:
-            beams, owner = search(hidden, token)
-            return Drafts(beams, None), owner
-        drafts = sample_beams(head, embed, hidden, token, width, length, params.temperature)
-        return drafts, dedup_prefix(drafts.beams)
+    proposer = HeadProposer(head, embed, width, length, vocab=int(model.args.vocab_size),
+                            temperature=0.0 if greedy else params.temperature)
 
     def own_token(logits: mx.array) -> mx.array:  # (B, V) -> (B,) the target's own choice
         if greedy:
             return mx.argmax(logits, axis=-1)
         return ctx.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))  # as `ar` draws
 
-    def accept(beams: mx.array, beam_logits: mx.array, drafts: Drafts) -> Accepted:
+    def accept(beams: mx.array, beam_logits: mx.array, drafts: Proposal) -> Accepted:
         if greedy:
             return greedy_accept(beams, beam_logits)  # batched: (B, W, L)
         probs = target_probs(beam_logits, params.temperature, params.top_p)  # (B, W, L, V)
-        q = _draft_probs_full(drafts.draft_probs, head.draft_to_full, probs.shape[-1])
+        q = drafts.draft_probs  # (B, W, L-1, V)
         rows = [sampling_accept(beams[b], probs[b], q[b]) for b in range(beams.shape[0])]
         return Accepted(*(mx.stack(list(field)) for field in zip(*rows)))
 
@@ -117,14 +112,14 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     emitted += 1
     rows, keep = _drop_finished(rows, [[int(t)] for t in first], emitted, eos, params.max_tokens)
     if rows:  # the first draft, from the prompt's last hidden state and the first tokens
-        drafts, owner = draft(out.hidden[:, -1], token)
-        beams, owner = _read(drafts.beams, owner)  # host sync: the first drafts and their owners
+        drafts = proposer.propose(token, out.hidden[:, -1])
+        beams, owner = _read(drafts.beams, drafts.owner)  # host sync: the first drafts and their owners
     try:
         while rows:
             if keep is not None:  # some rows finished: they leave the batch
                 cache.select_rows(keep)
                 valid, lengths, beams, owner, emitted = (a[keep] for a in (valid, lengths, beams, owner, emitted))
-                drafts = _select_drafts(drafts, keep)
+                drafts = select_rows(drafts, keep)
             t0 = time.perf_counter()
             trees = [pack_beams(beams[b], owner[b]) for b in range(len(rows))]
             n = max(len(t.tokens) for t in trees)
@@ -153,12 +148,12 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
             hidden = mx.take_along_axis(out.hidden, last[..., None], axis=1)[:, 0]  # (B, D)
             t0 = mark("accept_s", t0, result, hidden)
 
-            drafts, next_owner = draft(hidden, result.next_token)  # the next step, still lazy
-            t0 = mark("draft_s", t0, drafts.beams, next_owner)
+            drafts = proposer.propose(result.next_token, hidden)  # the next step, still lazy
+            t0 = mark("draft_s", t0, drafts.beams, drafts.owner)
 
             # The one host sync of the step: acceptance results + the next step's drafts and owners.
             best, accepted, token, next_beams, next_owner = _read(
-                result.beam, result.num_accepted, result.next_token, drafts.beams, next_owner)
+                result.beam, result.num_accepted, result.next_token, drafts.beams, drafts.owner)
             mark("sync_s", t0)
 
             kept = [trees[b].index[best[b], : accepted[b] + 1] for b in range(len(rows))]
@@ -195,21 +190,10 @@ def _drop_finished(rows: List[int], new_tokens, emitted, eos, max_tokens):
     return [rows[b] for b in keep], np.array(keep)
 
 
-def _select_drafts(drafts: Drafts, keep: np.ndarray) -> Drafts:
-    index = mx.array(keep)
-    return Drafts(drafts.beams[index], None if drafts.draft_probs is None else drafts.draft_probs[index])
-
-
 def _read(*arrays):
     """Evaluate together and bring to the host (the deliberate sync): numpy arrays."""
     mx.eval(*arrays)
     return [np.array(a) for a in arrays]
-
-
-def _draft_probs_full(draft_probs: mx.array, draft_to_full: mx.array, vocab: int) -> mx.array:
-    """(B, W, L-1, K) draft-vocabulary distribution -> (B, W, L-1, V), zero outside the draft vocab."""
-    full = mx.zeros(draft_probs.shape[:-1] + (vocab,), dtype=draft_probs.dtype)
-    return full.at[..., draft_to_full].add(draft_probs)
 
 
 def _report(stats, width, length, tally, per_position, timings, profile) -> None:

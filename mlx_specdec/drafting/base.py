@@ -1,0 +1,54 @@
+"""The drafting interface every speculative method stacks.
+
+A proposer drafts W candidate continuations of length L per batch row, each starting with the
+target's own latest token, together with the distribution each drafted token was drawn from
+(what the rejection-sampling acceptance needs; `acceptance.sampling_accept`):
+
+    propose(token (B,), hidden (B, D) | None) -> Proposal(beams (B, W, L), owner, draft_probs)
+    commit(tokens per row)   what became text this step, before the target's next own token: the
+                             own token the proposal started from and the drafts accepted after it
+    rollback()               forget whatever was proposed but not committed
+
+`owner` is the dedup table of shared prefixes (`drafter.beam.dedup_prefix`): verification packs
+each distinct prefix once. A proposer whose drafts follow from the committed text alone keeps
+that text as its state (n-gram lookup); one that reads the target's hidden state has none
+(the ReDrafter head): its commit and rollback do nothing.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Protocol, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+
+class Proposal(NamedTuple):
+    beams: mx.array  # (B, W, L) int32; [:, :, 0] is the target's own latest token
+    owner: mx.array  # (B, W, L) int32: the first beam with the same prefix through each depth
+    draft_probs: Optional[mx.array]  # (B, W, L-1, V) q of each drafted token; None when greedy
+
+
+class Proposer(Protocol):
+    width: int
+    length: int
+
+    def propose(self, token: mx.array, hidden: Optional[mx.array]) -> Proposal: ...
+
+    def commit(self, tokens: Sequence[Sequence[int]]) -> None: ...
+
+    def rollback(self) -> None: ...
+
+
+def select_rows(proposal: Proposal, keep: np.ndarray) -> Proposal:
+    """The proposal of the rows still decoding (a batch shrinks as rows finish)."""
+    index = mx.array(keep)
+    probs = None if proposal.draft_probs is None else proposal.draft_probs[index]
+    return Proposal(proposal.beams[index], proposal.owner[index], probs)
+
+
+def one_hot_probs(beams: mx.array, vocab: int) -> mx.array:
+    """(B, W, L) deterministic drafts -> (B, W, L-1, V): each drafted token had probability 1
+    (q = 1: accepted with probability p(token), the residual is p without it)."""
+    drafted = beams[..., 1:]
+    return (mx.arange(vocab)[None, None, None, :] == drafted[..., None]).astype(mx.float32)

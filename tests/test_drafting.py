@@ -1,0 +1,108 @@
+"""The drafting layer: every proposer's drafts and draft probabilities, and its state.
+
+The ReDrafter head proposer is exercised end to end by tests/test_redrafter.py (the method now
+drafts through it); here its sampled distributions are checked against the head's own."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_specdec.acceptance import sampling_accept
+from mlx_specdec.drafter.beam import sample_beams
+from mlx_specdec.drafting import HeadProposer, NgramProposer, one_hot_probs, select_rows
+
+from conftest import make_tiny_lm
+
+V = 97
+
+
+def beams_of(proposal):
+    return np.array(proposal.beams).tolist()
+
+
+def test_ngram_drafts_the_continuation_of_the_longest_earlier_match():
+    # text: 5 6 7 8 9 | 1 6 7 3 | 6 7 ; the next own token is 8: the suffix 6 7 8 occurred at the
+    # start (followed by 9 1 6), while 7 8 alone and 8 alone point at the same place
+    p = NgramProposer(width=1, length=4, vocab=V, max_ngram=3)
+    p.begin([[5, 6, 7, 8, 9, 1, 6, 7, 3, 6, 7]])
+    assert beams_of(p.propose(mx.array([8]))) == [[[8, 9, 1, 6]]]
+
+
+def test_ngram_prefers_the_longer_match_over_a_more_recent_shorter_one():
+    p = NgramProposer(width=1, length=3, vocab=V, max_ngram=3)
+    p.begin([[1, 2, 3, 40, 41, 9, 3, 50, 51, 1, 2]])  # after "... 1 2" comes 3: "1 2 3" -> 40 41
+    assert beams_of(p.propose(mx.array([3]))) == [[[3, 40, 41]]]  # not "3" -> 50 51 (more recent)
+
+
+def test_ngram_width_takes_distinct_continuations_most_recent_first_and_dedups():
+    p = NgramProposer(width=3, length=3, vocab=V, max_ngram=1)
+    p.begin([[7, 10, 11, 7, 20, 21, 7, 10, 11]])
+    proposal = p.propose(mx.array([7]))
+    # "7" was followed by 10 11 (latest), 20 21, and 10 11 again (not repeated): the third beam
+    # has no continuation and stays the token repeated
+    assert beams_of(proposal) == [[[7, 10, 11], [7, 20, 21], [7, 7, 7]]]
+    owner = np.array(proposal.owner)[0]
+    assert owner[:, 0].tolist() == [0, 0, 0]  # every beam shares the first token
+    assert owner[1, 1] == 1 and owner[2, 1] == 2
+
+
+def test_ngram_without_a_match_repeats_the_token_and_commit_extends_the_text():
+    p = NgramProposer(width=1, length=3, vocab=V, max_ngram=2)
+    p.begin([[1, 2, 3], [4, 5]])
+    assert beams_of(p.propose(mx.array([9, 4]))) == [[[9, 9, 9]], [[4, 5, 4]]]  # row 1: "4" -> 5 4 (periodic)
+    p.commit([[9, 60, 61], [4]])  # row 0 wrote 9 and accepted 60 61
+    assert p.texts == [[1, 2, 3, 9, 60, 61], [4, 5, 4]]
+    assert beams_of(p.propose(mx.array([9, 5])))[0] == [[9, 60, 61]]
+    p.rollback()  # nothing was committed since: the texts stay
+    assert p.texts[0] == [1, 2, 3, 9, 60, 61]
+
+
+def test_ngram_sampling_probabilities_are_one_hot_and_accept_with_the_targets_probability():
+    p = NgramProposer(width=1, length=2, vocab=4, max_ngram=1, sampling=True)
+    p.begin([[0, 2, 0]])
+    proposal = p.propose(mx.array([0]))  # "0" was followed by 2
+    assert beams_of(proposal) == [[[0, 2]]]
+    np.testing.assert_array_equal(np.array(proposal.draft_probs)[0, 0, 0], [0, 0, 1, 0])
+    target = mx.array([[[0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]]])  # p after 0, after 2
+    mx.random.seed(0)
+    accepted = [sampling_accept(proposal.beams[0], target, proposal.draft_probs[0]).num_accepted.item()
+                for _ in range(2000)]
+    assert abs(np.mean(accepted) - 0.3) < 0.04  # min(1, p/q) = p(2) = 0.3
+
+
+def test_one_hot_probs_and_select_rows():
+    beams = mx.array([[[1, 2, 3]], [[4, 5, 6]]])
+    probs = np.array(one_hot_probs(beams, 8))
+    assert probs.shape == (2, 1, 2, 8) and probs.sum() == 4 and probs[1, 0, 1, 6] == 1
+    p = NgramProposer(width=1, length=3, vocab=8, sampling=True)
+    p.begin([[1], [2]])
+    kept = select_rows(p.propose(mx.array([1, 2])), np.array([1]))
+    assert kept.beams.shape == (1, 1, 3) and kept.draft_probs.shape == (1, 1, 2, 8)
+
+
+def test_bad_ngram_settings_are_refused():
+    with pytest.raises(ValueError, match="min_ngram"):
+        NgramProposer(width=1, length=3, vocab=V, max_ngram=1, min_ngram=2)
+
+
+def test_head_proposer_sampled_drafts_carry_the_heads_own_distribution():
+    """Temperature > 0: the beams and draft-vocabulary probabilities are sample_beams' (same key),
+    spread onto the full vocabulary at the head's ids (zero elsewhere), each summing to 1."""
+    from test_redrafter import random_head
+
+    lm = make_tiny_lm()
+    head = random_head(lm, draft_vocab=50)
+    embed = lm.model.model.embed_tokens
+    proposer = HeadProposer(head, embed, width=2, length=4, vocab=V, temperature=0.7)
+    hidden, token = mx.random.normal((1, 64)), mx.array([5])
+    mx.random.seed(3)
+    proposal = proposer.propose(token, hidden)
+    mx.random.seed(3)
+    own = sample_beams(head, embed, hidden, token, 2, 4, 0.7)
+    np.testing.assert_array_equal(np.array(proposal.beams), np.array(own.beams))
+    full = np.array(proposal.draft_probs)  # (1, 2, 3, V)
+    ids = np.array(head.draft_to_full)
+    np.testing.assert_allclose(full[..., ids], np.array(own.draft_probs), atol=1e-7)
+    outside = np.setdiff1d(np.arange(V), ids)
+    assert (full[..., outside] == 0).all()
+    np.testing.assert_allclose(full.sum(-1), 1.0, atol=1e-5)
