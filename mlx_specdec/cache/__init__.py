@@ -2,11 +2,15 @@
 
 - `ContiguousKVCache`: one sequence, with trim / rollback / keep-accepted-path (speculation).
 - `ForkableKVCache`: many threads sharing prefixes in one slot pool, freed early (APAR).
-- `SparseKVView`: read-only view attending to chosen positions of a contiguous cache (TriForce).
+- `SparseKVView`: read-only view attending to chosen positions of a contiguous cache.
+- `RetrievalKVCache`: TriForce's retrieval cache, the prompt's best chunks copied once into a
+  small buffer of its own (`QueryRecorder` captures the queries that score them).
 """
 
 from .contiguous import ContiguousKVCache, ContiguousLayerCache
 from .forkable import ForkableKVCache
+from .retrieval import QueryRecorder, RetrievalKVCache
 from .sparse import SparseKVView
 
-__all__ = ["ContiguousKVCache", "ContiguousLayerCache", "ForkableKVCache", "SparseKVView"]
+__all__ = ["ContiguousKVCache", "ContiguousLayerCache", "ForkableKVCache", "QueryRecorder", "RetrievalKVCache",
+           "SparseKVView"]

@@ -56,6 +56,9 @@ def attention(attn: nn.Module, x: mx.array, positions: Optional[mx.array], cache
         keys = rope_at(attn.rope, keys, positions)
 
     if cache is not None:
+        observe = getattr(cache, "observe_queries", None)  # e.g. retrieval scoring (cache/retrieval.py)
+        if observe is not None:
+            observe(queries)
         keys, values = cache.update_and_fetch(keys, values)
 
     out = attention_over_cache(queries, keys, values, attn.scale, mask)  # (B, Hq, L, Dh)
