@@ -95,6 +95,32 @@ def test_prompt_past_context_window(tiny_dir):
                           "prompt has 17 tokens but the context window", "is 16")
 
 
+def test_document_and_prompt_files(tiny_dir, tmp_path):
+    """--document FILE with a question, and --prompt-file: the prompt is read from the file (the
+    stats line counts its tokens); a document past the window is refused before prefill."""
+    doc = tmp_path / "doc.txt"
+    doc.write_text("w5 w6 w7\n")
+    result = cli("generate", "-m", str(tiny_dir), "--document", str(doc), "-p", "w8", "--raw", "--max-tokens", "2")
+    assert result.returncode == 0, result.stderr
+    assert "prompt 4 tok" in result.stderr  # w5 w6 w7 + w8
+    (tmp_path / "p.txt").write_text("w5 w6")
+    result = cli("generate", "-m", str(tiny_dir), "--prompt-file", str(tmp_path / "p.txt"), "--raw", "--max-tokens", "2")
+    assert result.returncode == 0 and "prompt 2 tok" in result.stderr, result.stderr
+    doc.write_text(" ".join(f"w{i}" for i in range(3, 20)))
+    assert_one_line_error(cli("generate", "-m", str(tiny_dir), "--document", str(doc), "-p", "w8", "--raw"),
+                          "prompt has 18 tokens but the context window", "is 16")
+
+
+def test_bad_prompt_sources(tmp_path):
+    assert_one_line_error(cli("generate", "--document", str(tmp_path / "none.txt"), "-p", "q"),
+                          "--document: no such file")
+    assert_one_line_error(cli("generate"), "give a prompt")
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00bad")
+    assert_one_line_error(cli("generate", "--prompt-file", str(tmp_path / "bin.txt")), "not UTF-8 text")
+    assert_one_line_error(cli("generate", "--prompt-file", str(tmp_path / "bin.txt"), "-p", "x"),
+                          "use it without --prompt")
+
+
 def test_unknown_method():
     # checked before any model is loaded: no download, instant
     assert_one_line_error(cli("generate", "-p", "hi", "--method", "nope"), "unknown method 'nope'")

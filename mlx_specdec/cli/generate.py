@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from ..errors import UserError
 from .args import _add_method_args, _add_model_args, _add_sampling_args, _params, load_engine
@@ -13,7 +14,11 @@ def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="stream an answer to one prompt, then a stats line",
                        description="Stream an answer to one prompt; a stats line goes to stderr.")
     _add_model_args(p)
-    p.add_argument("--prompt", "-p", required=True, help="the prompt ('-' reads stdin)")
+    p.add_argument("--prompt", "-p", default=None, help="the prompt ('-' reads stdin); with --document, the question")
+    p.add_argument("--prompt-file", default=None, metavar="FILE", help="read the whole prompt from a UTF-8 text file")
+    p.add_argument("--document", default=None, metavar="FILE",
+                   help="a UTF-8 text file to ask about: the prompt is the document, a blank line, then --prompt "
+                        "(a document past the model's context window is refused, not cut)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     _add_sampling_args(p)
     _add_method_args(p)
@@ -25,10 +30,34 @@ def cmd_generate(args) -> int:
 
     check_method(args.method)
     params = _params(args)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = _prompt(args)
     if not prompt.strip():
         raise UserError("empty prompt")
     engine = load_engine(args)
     events = engine.generate(prompt, method=args.method, params=params, chat_template=not args.raw)
     print_answer(engine, events, verbose=True, method=args.method)
     return 0
+
+
+def _read_text(path: str, flag: str) -> str:
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise UserError(f"{flag}: no such file {file}")
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{flag}: {file} is not UTF-8 text") from None
+
+
+def _prompt(args) -> str:
+    """-p, --prompt-file, or --document with -p as the question (exactly one way in)."""
+    if args.prompt_file and (args.prompt is not None or args.document):
+        raise UserError("--prompt-file is the whole prompt: use it without --prompt and --document")
+    if args.prompt_file:
+        return _read_text(args.prompt_file, "--prompt-file")
+    if args.prompt is None:
+        raise UserError("give a prompt: --prompt TEXT, --prompt-file FILE, or --document FILE with --prompt")
+    question = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.document:
+        return _read_text(args.document, "--document").rstrip() + "\n\n" + question
+    return question
