@@ -84,15 +84,11 @@ class ContiguousLayerCache:
         return [self.keys[..., : self.offset, :], self.values[..., : self.offset, :]]
 
 
-class ContiguousKVCache:
-    """Model-level cache: one `ContiguousLayerCache` per transformer block."""
+class LayeredCache:
+    """What every model-level cache shares: `layers` (one per block, each with `offset` and
+    `trim`), the offset they all have, and trimming them together."""
 
-    def __init__(self, num_layers: int):
-        self.layers = [ContiguousLayerCache() for _ in range(num_layers)]
-
-    @classmethod
-    def for_model(cls, model: nn.Module) -> "ContiguousKVCache":
-        return cls(len(model.model.layers))
+    layers: list
 
     @property
     def offset(self) -> int:
@@ -104,6 +100,17 @@ class ContiguousKVCache:
         for layer in self.layers:
             dropped = layer.trim(n)
         return dropped
+
+
+class ContiguousKVCache(LayeredCache):
+    """Model-level cache: one `ContiguousLayerCache` per transformer block."""
+
+    def __init__(self, num_layers: int):
+        self.layers = [ContiguousLayerCache() for _ in range(num_layers)]
+
+    @classmethod
+    def for_model(cls, model: nn.Module) -> "ContiguousKVCache":
+        return cls(len(model.model.layers))
 
     def rollback_to(self, offset: int) -> None:
         if not 0 <= offset <= self.offset:

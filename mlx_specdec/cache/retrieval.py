@@ -24,7 +24,7 @@ from typing import List, Optional
 import mlx.core as mx
 import numpy as np
 
-from .contiguous import ContiguousKVCache
+from .contiguous import ContiguousKVCache, LayeredCache
 
 CHUNK = 8
 
@@ -125,7 +125,7 @@ def choose_positions(query: mx.array, keys: mx.array, budget: int, reduce: str =
     return np.concatenate([positions, recent], axis=-1).astype(np.int32)
 
 
-class RetrievalKVCache:
+class RetrievalKVCache(LayeredCache):
     def __init__(self, layers: List[RetrievalLayerCache], positions: List[np.ndarray]):
         self.layers = layers
         self.positions = positions  # per layer (B, Hkv, budget): which prompt positions were kept
@@ -148,18 +148,8 @@ class RetrievalKVCache:
         return cls(layers, kept)
 
     @property
-    def offset(self) -> int:
-        return self.layers[0].offset
-
-    @property
     def budget(self) -> int:
         return self.layers[0].retrieved
-
-    def trim(self, n: int) -> int:
-        dropped = 0
-        for layer in self.layers:
-            dropped = layer.trim(n)
-        return dropped
 
     @property
     def state(self):
