@@ -111,6 +111,15 @@ def test_document_and_prompt_files(tiny_dir, tmp_path):
                           "prompt has 18 tokens but the context window", "is 16")
 
 
+def test_triforce_from_the_command_line(tiny_dir):
+    result = cli("generate", "-m", str(tiny_dir), "-p", "w5 w6 w7 w5 w6", "--raw", "--max-tokens", "4",
+                 "--method", "triforce", "--budget", "16", "--gamma", "2", "--bottom", "none")
+    assert result.returncode == 0, result.stderr
+    assert "[triforce]" in result.stderr
+    assert_one_line_error(cli("generate", "-p", "hi", "--method", "triforce", "--bottom", "model"),
+                          "--bottom is ngram or none")
+
+
 def test_bad_prompt_sources(tmp_path):
     assert_one_line_error(cli("generate", "--document", str(tmp_path / "none.txt"), "-p", "q"),
                           "--document: no such file")

@@ -21,13 +21,19 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "for this model; 'none' = no adapter (default: auto)")
 
 
-METHODS_HELP = "ar (plain), mlx-lm (peer baseline), redrafter, apar"
+METHODS_HELP = "ar (plain), mlx-lm (peer baseline), redrafter, apar, triforce (long prompts; greedy)"
 
 
 def _on_off(value: str, flag: str) -> bool:
     if value.strip().lower() not in ("on", "off"):
         raise UserError(f"{flag} is on or off, not {value!r}")
     return value.strip().lower() == "on"
+
+
+def _choice(text: str, flag: str, choices) -> str:
+    if text.strip().lower() not in choices:
+        raise UserError(f"{flag} is {' or '.join(choices)}, not {text!r}")
+    return text.strip().lower()
 
 
 def _whole_number(text: str, flag: str, minimum: int) -> int:
@@ -67,6 +73,12 @@ METHOD_SETTINGS = [
      "on = the original model writes until the first fork, decided by the adapter's fork probe (an "
      "unforked answer is the original's); off = the adapted model writes everything (default: on where "
      "the adapter ships a probe)", _on_off),
+    ("triforce", "budget", "--budget", "retrieval cache budget: prompt keys kept per KV head (default: 512)",
+     _positive_int),
+    ("triforce", "gamma", "--gamma", "tokens the retrieval level collects per full-cache verify (default: 6)",
+     _positive_int),
+    ("triforce", "bottom", "--bottom", "the level below: ngram (prompt lookup) or none (default: ngram)",
+     lambda text, flag: _choice(text, flag, ("ngram", "none"))),
 ]
 
 
