@@ -108,6 +108,7 @@ def triforce(ctx: DecodeContext) -> Iterator[Step]:
 
     try:
         while True:
+            committed = middle.layers[0].own  # the middle cache's tokens the top level has committed
             drafts = middle_drafts(token)
             # The top level: one forward of the full cache over the last token and the drafts.
             out = forward(model, mx.array([[token] + drafts]), full, logits_for="all").logits
@@ -120,11 +121,13 @@ def triforce(ctx: DecodeContext) -> Iterator[Step]:
             full.trim(len(drafts) - n)  # keep the last token and the accepted drafts
             kept = 1 + n
             # The middle cache drops what it wrote this round and takes the full cache's entries of
-            # the committed tokens, so both levels continue from the same text.
-            middle.trim(middle.layers[0].own)
+            # the newly committed tokens, so both levels continue from the same text.
+            middle.trim(middle.layers[0].own - committed)
             end = full.offset
             for mid, top in zip(middle.layers, full.layers):
                 mid.update_and_fetch(top.keys[..., end - kept:end, :], top.values[..., end - kept:end, :])
+            if middle.offset != full.offset:  # both hold the prompt and every committed token
+                raise RuntimeError(f"triforce: retrieval cache at {middle.offset}, full cache at {full.offset}")
             if proposer is not None:  # the lookup text is the text the top level committed
                 proposer.commit([[token] + drafts[:n]])
             token = int(targets[n])
