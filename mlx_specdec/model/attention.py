@@ -69,21 +69,38 @@ def fast_exp(x: mx.array, shift: float | mx.array = 0.0) -> mx.array:
     return p * mx.view(bits, mx.float32)
 
 
+def _grouped_for(keys: int) -> bool:
+    return keys >= GROUPED_MIN_KEYS and mx.default_device() == mx.cpu
+
+
 def use_grouped(queries: mx.array, keys: mx.array) -> bool:
     """The grouped path only where it was measured to pay: the CPU and a long cache (any number
     of queries: a one-token step, a verify, a prefill chunk; benchmarks/results/attention_cost_cpu.md)."""
-    return keys.shape[2] >= GROUPED_MIN_KEYS and mx.default_device() == mx.cpu
+    return _grouped_for(keys.shape[2])
 
 
-def full_width(mask: Mask, queries: mx.array, keys: mx.array) -> Mask:
-    """A tail mask (narrower than the keys: it covers the last keys, every earlier key is visible
-    to every query) widened to all keys, for MLX's attention; any other mask unchanged."""
-    if not isinstance(mask, mx.array) or mask.shape[-1] == keys.shape[2]:
+def _with_visible_prefix(mask: mx.array, keys: int) -> mx.array:
+    """A tail mask (it covers the last keys; every earlier key is visible to every query) widened
+    to all `keys` keys; a full-width mask unchanged."""
+    if mask.shape[-1] >= keys:
         return mask
-    head = mx.ones(mask.shape[:-1] + (keys.shape[2] - mask.shape[-1],), dtype=mx.bool_)
+    head = mx.ones(mask.shape[:-1] + (keys - mask.shape[-1],), dtype=mx.bool_)
     if mask.dtype != mx.bool_:
         head = mx.zeros(head.shape, dtype=mask.dtype)
     return mx.concatenate([head, mask], axis=-1)
+
+
+def widen_tail_mask(mask: mx.array, keys: int) -> mx.array:
+    """A tail mask over `keys` keys as the attention that will run takes it: narrow for the grouped
+    path (it skips the prefix), widened for MLX's fused one. A forward calls this once for all its
+    layers (they share the mask and the key count)."""
+    return mask if _grouped_for(keys) else _with_visible_prefix(mask, keys)
+
+
+def full_width(mask: Mask, queries: mx.array, keys: mx.array) -> Mask:
+    """Any mask as MLX's fused attention takes it: a tail mask widened (normally the forward has
+    done it already, `widen_tail_mask`), anything else unchanged."""
+    return _with_visible_prefix(mask, keys.shape[2]) if isinstance(mask, mx.array) else mask
 
 
 def _grouped(mask: mx.array, Hkv: int, G: int) -> mx.array:

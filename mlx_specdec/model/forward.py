@@ -19,7 +19,7 @@ from typing import Any, Literal, Optional, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from .attention import Mask, attention_over_cache
+from .attention import Mask, attention_over_cache, widen_tail_mask
 
 
 @dataclass
@@ -99,6 +99,9 @@ def forward(
     h = inner.embed_tokens(tokens) if input_embeddings is None else input_embeddings  # (B, L, D)
     if mask is None and h.shape[1] > 1:
         mask = "causal"
+    cached = getattr(cache, "offset", None)  # sequence caches; a thread pool has none (full masks)
+    if isinstance(mask, mx.array) and cached is not None:
+        mask = widen_tail_mask(mask, cached + h.shape[1])  # once here for every layer
     layer_caches = cache.layers if cache is not None else [None] * len(inner.layers)
     for layer, layer_cache in zip(inner.layers, layer_caches):
         h = transformer_block(layer, h, positions, layer_cache, mask)
