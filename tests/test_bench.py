@@ -162,7 +162,7 @@ def test_redrafter_first_draft_is_timed_as_decoding(monkeypatch, temperature):
         stats = event.stats
     assert tokens == want and len(tokens) > 2  # the delay changes nothing but the times
     assert started and started[0] > first_token_at  # the first token was out before any drafting
-    assert stats.ttft_s < DELAY <= stats.decode_s
+    assert DELAY <= stats.decode_s  # the delayed draft ran inside decoding (a lower bound, not a speed)
     assert stats.prefill_s <= stats.ttft_s
 
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 from typing import Iterator, List
 
 import mlx.core as mx
-import numpy as np
 
+from ..acceptance import greedy_accept
 from ..cache import QueryRecorder, RetrievalKVCache
 from ..drafting import NgramProposer
 from ..errors import UserError
@@ -38,12 +38,19 @@ DEFAULT_DRAFT = 3  # tokens the bottom level drafts per middle verify (γ1)
 BOTTOMS = ("ngram", "none")
 
 
-def _greedy_run(drafts: List[int], targets: np.ndarray) -> int:
-    """How many drafts the target agrees with, in order (targets[i] follows drafts[:i])."""
-    n = 0
-    while n < len(drafts) and drafts[n] == int(targets[n]):
-        n += 1
-    return n
+def _verify(model, cache, fed: List[int]):
+    """One forward of `fed` (the last token, then drafts) over `cache`, accepted by the shared
+    greedy rule (`acceptance.greedy_accept`, one beam): (drafts accepted, the target's own next
+    token). The one host sync of a verify."""
+    logits = forward(model, mx.array([fed]), cache, logits_for="all").logits  # (1, L, V)
+    result = greedy_accept(mx.array([fed]), logits)  # beams (1, L): one beam of L tokens
+    n, token = (int(v) for v in _read(result.num_accepted, result.next_token))
+    return n, token
+
+
+def _read(*arrays):
+    mx.eval(*arrays)  # host sync
+    return [a.item() for a in arrays]
 
 
 def triforce(ctx: DecodeContext) -> Iterator[Step]:
@@ -94,14 +101,12 @@ def triforce(ctx: DecodeContext) -> Iterator[Step]:
         while len(drafts) < gamma:
             found = proposer.continuations(0, x) if proposer is not None else []  # host-side lookup
             candidates = found[0] if found else []  # no match: the middle level writes one token
-            out = forward(model, mx.array([[x] + candidates]), middle, logits_for="all").logits
-            targets = np.array(mx.argmax(out[0], axis=-1))  # host sync: the middle verify
+            n, own = _verify(model, middle, [x] + candidates)  # the middle verify
             counts["middle_forwards"] += 1
-            n = _greedy_run(candidates, targets)
             counts["bottom_drafted"] += len(candidates)
             counts["bottom_accepted"] += n
             middle.trim(len(candidates) - n)  # fed x and the candidates: keep x and the accepted
-            written = candidates[:n] + [int(targets[n])]
+            written = candidates[:n] + [own]
             drafts += written
             x = written[-1]
         return drafts[:gamma]
@@ -111,10 +116,8 @@ def triforce(ctx: DecodeContext) -> Iterator[Step]:
             committed = middle.layers[0].own  # the middle cache's tokens the top level has committed
             drafts = middle_drafts(token)
             # The top level: one forward of the full cache over the last token and the drafts.
-            out = forward(model, mx.array([[token] + drafts]), full, logits_for="all").logits
-            targets = np.array(mx.argmax(out[0], axis=-1))  # host sync: the top verify
+            n, following = _verify(model, full, [token] + drafts)
             stats.forward_passes += 1
-            n = _greedy_run(drafts, targets)
             counts["top_forwards"] += 1
             counts["top_drafted"] += len(drafts)
             counts["top_accepted"] += n
@@ -130,7 +133,7 @@ def triforce(ctx: DecodeContext) -> Iterator[Step]:
                 raise RuntimeError(f"triforce: retrieval cache at {middle.offset}, full cache at {full.offset}")
             if proposer is not None:  # the lookup text is the text the top level committed
                 proposer.commit([[token] + drafts[:n]])
-            token = int(targets[n])
+            token = following
             report()
             yield Step(drafts[:n] + [token], drafted=len(drafts), accepted=n)
     finally:
