@@ -39,20 +39,34 @@ def apar_adapter_spec(value: str) -> Optional[str]:
     return None if value == "none" else value
 
 
+def check_same_tokenizer(lm: LoadedModel, draft: LoadedModel) -> None:
+    """A draft model must write the target's tokens: the same vocabulary, token for token."""
+    rows = [m.model.model.embed_tokens.weight.shape[0] for m in (lm, draft)]  # the logits' width
+    if rows[0] != rows[1] or lm.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+        raise UserError(f"the draft model {draft.name} does not share {lm.name}'s tokenizer "
+                        f"({rows[1]} vs {rows[0]} token embeddings)")
+
+
 class Engine:
     def __init__(self, lm: LoadedModel, drafter: Optional[str] = "auto",
-                 apar_adapter: Optional[str] = "auto"):
+                 apar_adapter: Optional[str] = "auto", draft_model: Optional[LoadedModel] = None):
+        """draft_model: a small model with lm's tokenizer (triforce's `--bottom model`)."""
         self.lm = lm
         self.drafter_spec = drafter
         self.apar_adapter_spec = apar_adapter
         self._resources: Dict[str, object] = {}
+        self.draft_model = draft_model
+        if draft_model is not None:
+            check_same_tokenizer(lm, draft_model)
 
     @classmethod
     def load(cls, model: Optional[str] = "default", dtype: str = "auto",
-             drafter: Optional[str] = "auto", apar_adapter: Optional[str] = "auto") -> "Engine":
+             drafter: Optional[str] = "auto", apar_adapter: Optional[str] = "auto",
+             draft_model: Optional[str] = None) -> "Engine":
         """drafter / apar_adapter: 'auto' (one shipped in models/ for this model, if any), a
-        directory, or None."""
-        engine = cls(load_model(model, dtype=dtype), drafter, apar_adapter)
+        directory, or None. draft_model: a model spec as `model` (triforce's bottom level)."""
+        lm = load_model(model, dtype=dtype)
+        engine = cls(lm, drafter, apar_adapter, load_model(draft_model, dtype=lm.dtype) if draft_model else None)
         if drafter not in (None, "auto"):
             engine.drafter  # load now: a mismatched head is reported before anything runs
         if apar_adapter not in (None, "auto"):
@@ -109,6 +123,8 @@ class Engine:
     def _resources_for(self, method: str) -> Dict[str, object]:
         if method == "redrafter":
             return {"drafter": self.drafter}
+        if method == "triforce":  # for --bottom redrafter / model
+            return {"drafter": self.drafter, "draft_model": self.draft_model}
         return {}
 
     @property

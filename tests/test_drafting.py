@@ -106,3 +106,80 @@ def test_head_proposer_sampled_drafts_carry_the_heads_own_distribution():
     outside = np.setdiff1d(np.arange(V), ids)
     assert (full[..., outside] == 0).all()
     np.testing.assert_allclose(full.sum(-1), 1.0, atol=1e-5)
+
+
+def test_ngram_rollback_leaves_the_index_a_fresh_proposer_would_build():
+    from mlx_specdec.drafting import NgramProposer
+
+    text = [5, 6, 7, 5, 6, 8, 5, 6]
+    grown, fresh = NgramProposer(2, 4, vocab=20), NgramProposer(2, 4, vocab=20)
+    grown.begin([text[:4]])
+    grown.commit([text[4:]])
+    grown.rollback([5])
+    fresh.begin([text[:5]])
+    assert grown.texts == fresh.texts and grown._index == fresh._index
+    assert grown.continuations(0, 6) == fresh.continuations(0, 6) == [[7, 5, 6]]
+
+
+def _draft_chain(model, context, length):
+    """The draft model's greedy chain after `context` with a full cache: the reference."""
+    tokens = list(context)
+    for _ in range(length - 1):
+        tokens.append(int(mx.argmax(model(mx.array([tokens]))[0, -1]).item()))
+    return tokens[len(context) - 1:]
+
+
+def test_model_proposer_drafts_the_small_models_chain_and_follows_commit_and_rollback():
+    from mlx_specdec.drafting import ModelProposer
+
+    draft = make_tiny_lm(seed=5, layers=1).model
+    proposer = ModelProposer(draft, length=4, vocab=97, sink=4, window=512)
+    prompt = [(i * 7) % 50 + 3 for i in range(30)]
+    proposer.begin([prompt])
+    chain = proposer.propose(mx.array([9])).beams[0, 0].tolist()
+    assert chain == _draft_chain(draft, prompt + [9], 4)
+    proposer.commit([[9] + chain[1:3]])  # the verifier took two drafts: the cache keeps them
+    assert proposer.cached[: len(prompt) + 3] == prompt + [9] + chain[1:3]
+    after = proposer.propose(mx.array([11])).beams[0, 0].tolist()
+    assert after == _draft_chain(draft, prompt + [9] + chain[1:3] + [11], 4)
+    proposer.rollback([len(prompt) + 1])  # a level above kept only the 9
+    again = proposer.propose(mx.array([13])).beams[0, 0].tolist()
+    assert again == _draft_chain(draft, prompt + [9, 13], 4)
+
+
+def test_model_proposer_over_a_streaming_window_attends_to_the_sink_and_the_recent_tokens():
+    """Once evicted, the draft model sees the sink and the window only: its chain equals the
+    model's chain over exactly those positions (keys keep their true RoPE positions)."""
+    from mlx_specdec.cache import StreamingKVCache
+    from mlx_specdec.drafting import ModelProposer
+    from mlx_specdec.model.forward import forward
+
+    draft = make_tiny_lm(seed=5, layers=1).model
+    prompt = [(i * 11) % 60 + 3 for i in range(100)]
+    proposer = ModelProposer(draft, length=3, vocab=97, sink=4, window=16, chunk=8)
+    proposer.begin([prompt])
+    chain = proposer.propose(mx.array([9])).beams[0, 0].tolist()
+    assert proposer.cache.stored <= 4 + 16 + 8 + 3
+    # the reference: a fresh streaming cache fed the same chunks, by hand
+    cache = StreamingKVCache.for_model(draft, sink=4, window=16)
+    text = prompt + [9]
+    for start in range(0, len(text), 8):
+        cache.evict()
+        out = forward(draft, mx.array([text[start:start + 8]]), cache, logits_for="last")
+    first = int(mx.argmax(out.logits[0, -1]).item())
+    assert chain[1] == first and cache.stored == proposer.cache.stored - 1
+
+
+def test_model_proposer_sampled_drafts_carry_the_small_models_distribution():
+    from mlx_specdec.acceptance import target_probs
+    from mlx_specdec.drafting import ModelProposer
+
+    draft = make_tiny_lm(seed=5, layers=1).model
+    prompt = [3, 9, 27, 81 % 97, 50]
+    proposer = ModelProposer(draft, length=2, vocab=97, window=64, temperature=0.7, top_p=0.9)
+    proposer.begin([prompt])
+    proposal = proposer.propose(mx.array([7]))
+    want = target_probs(draft(mx.array([prompt + [7]]))[0, -1], 0.7, 0.9)
+    assert proposal.draft_probs.shape == (1, 1, 1, 97)
+    assert mx.allclose(proposal.draft_probs[0, 0, 0], want, atol=1e-6).item()
+    assert float(want[proposal.beams[0, 0, 1]].item()) > 0

@@ -5,12 +5,14 @@
 - `SparseKVView`: read-only view attending to chosen positions of a contiguous cache.
 - `RetrievalKVCache`: TriForce's retrieval cache, the prompt's best chunks copied once into a
   small buffer of its own (`QueryRecorder` captures the queries that score them).
+- `StreamingKVCache`: StreamingLLM's sink + recent window (TriForce's bottom-level draft model).
 """
 
 from .contiguous import ContiguousKVCache, ContiguousLayerCache
 from .forkable import ForkableKVCache
 from .retrieval import QueryRecorder, RetrievalKVCache
 from .sparse import SparseKVView
+from .streaming import StreamingKVCache
 
 __all__ = ["ContiguousKVCache", "ContiguousLayerCache", "ForkableKVCache", "QueryRecorder", "RetrievalKVCache",
-           "SparseKVView"]
+           "SparseKVView", "StreamingKVCache"]

@@ -125,6 +125,16 @@ def choose_positions(query: mx.array, keys: mx.array, budget: int, reduce: str =
     return np.concatenate([positions, recent], axis=-1).astype(np.int32)
 
 
+def streaming_positions(heads: tuple, S: int, budget: int) -> np.ndarray:
+    """(B, Hkv, budget) positions StreamingLLM would keep of S: the first chunk (the sink) and
+    the most recent budget - CHUNK."""
+    if budget >= S:
+        kept = np.arange(S)
+    else:
+        kept = np.concatenate([np.arange(min(CHUNK, budget)), np.arange(S - (budget - min(CHUNK, budget)), S)])
+    return np.broadcast_to(kept, tuple(heads) + (len(kept),)).astype(np.int32).copy()
+
+
 class RetrievalKVCache(LayeredCache):
     def __init__(self, layers: List[RetrievalLayerCache], positions: List[np.ndarray]):
         self.layers = layers
@@ -132,17 +142,30 @@ class RetrievalKVCache(LayeredCache):
 
     @classmethod
     def build(cls, full: ContiguousKVCache, queries: List[mx.array], budget: int,
-              reduce: str = "mean") -> "RetrievalKVCache":
-        """full: the prompt's cache; queries[i]: layer i's post-RoPE queries of the last prompt
-        token, (B, Hq, 1, Dh) or (B, Hq, L, Dh) (the last one is used)."""
+              reduce: str = "mean", prompt_length: Optional[int] = None, query_index: int = -1,
+              policy: str = "retrieval") -> "RetrievalKVCache":
+        """full: the cache of the prompt (and of the tokens generated since, when rebuilding);
+        queries[i]: layer i's post-RoPE queries, (B, Hq, L, Dh), of which `query_index` scores.
+        Chunks are chosen among the first `prompt_length` positions (default: all); every later
+        one (the generated text) is kept after them. policy "streaming" keeps the sink and the
+        most recent prompt positions instead (StreamingLLM's choice, for comparison)."""
         S = full.offset
+        P = S if prompt_length is None else prompt_length
         layers, kept = [], []
         for layer, query in zip(full.layers, queries):
-            keys, values = layer.keys[..., :S, :], layer.values[..., :S, :]
-            positions = choose_positions(query[:, :, -1], keys, budget, reduce)
+            keys, values = layer.keys[..., :P, :], layer.values[..., :P, :]
+            if policy == "retrieval":
+                positions = choose_positions(query[:, :, query_index], keys, budget, reduce)
+            elif policy == "streaming":
+                positions = streaming_positions(keys.shape[:2], P, budget)
+            else:
+                raise ValueError(f"policy is retrieval or streaming, not {policy!r}")
             index = mx.array(positions)[..., None]  # (B, Hkv, budget, 1)
-            layers.append(RetrievalLayerCache(mx.take_along_axis(keys, index, axis=2),
-                                              mx.take_along_axis(values, index, axis=2), S))
+            cache = RetrievalLayerCache(mx.take_along_axis(keys, index, axis=2),
+                                        mx.take_along_axis(values, index, axis=2), P)
+            if S > P:  # the text generated since the prompt: kept whole, in order
+                cache.update_and_fetch(layer.keys[..., P:S, :], layer.values[..., P:S, :])
+            layers.append(cache)
             kept.append(positions)
         mx.eval([(layer.keys, layer.values) for layer in layers])
         return cls(layers, kept)

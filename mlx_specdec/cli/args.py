@@ -21,7 +21,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "for this model; 'none' = no adapter (default: auto)")
 
 
-METHODS_HELP = "ar (plain), mlx-lm (peer baseline), redrafter, apar, triforce (long prompts; greedy)"
+METHODS_HELP = "ar (plain), mlx-lm (peer baseline), redrafter, apar, triforce (long prompts)"
 
 
 def _on_off(value: str, flag: str) -> bool:
@@ -54,6 +54,16 @@ def _positive_int(text: str, flag: str) -> int:
     return _whole_number(text, flag, 1)
 
 
+def _fraction(text: str, flag: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise UserError(f"{flag} takes a number between 0 and 1, not {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise UserError(f"{flag} takes a number between 0 and 1, not {text!r}")
+    return value
+
+
 def _comma_list(text: str, kind=str) -> List:
     try:
         return [kind(x) for x in text.split(",") if x.strip()]
@@ -77,8 +87,22 @@ METHOD_SETTINGS = [
      _positive_int),
     ("triforce", "gamma", "--gamma", "tokens the retrieval level collects per full-cache verify (default: 6)",
      _positive_int),
-    ("triforce", "bottom", "--bottom", "the level below: ngram (prompt lookup) or none (default: ngram)",
-     lambda text, flag: _choice(text, flag, ("ngram", "none"))),
+    ("triforce", "bottom", "--bottom",
+     "the level below the retrieval level: ngram (prompt lookup), none, model (a small draft model over a "
+     "StreamingLLM cache: --draft-model) or redrafter (the draft head) (default: ngram)",
+     lambda text, flag: _choice(text, flag, ("ngram", "none", "model", "redrafter"))),
+    ("triforce", "draft_length", "--draft-length", "tokens the bottom level drafts per retrieval-level verify, "
+     "γ1 (default: 3)", _positive_int),
+    ("triforce", "middle_cache", "--middle-cache",
+     "the middle level's cache: retrieval (the prompt's best chunks) or streaming (sink + most recent "
+     "prompt tokens, StreamingLLM's choice, for comparison) (default: retrieval)",
+     lambda text, flag: _choice(text, flag, ("retrieval", "streaming"))),
+    ("triforce", "rebuild_stride", "--rebuild-stride",
+     "rebuild the retrieval cache every N generated tokens from the latest token's queries; 0 = never "
+     "(default: 0)", _nonnegative_int),
+    ("triforce", "rebuild_below", "--rebuild-below",
+     "rebuild the retrieval cache when its rolling acceptance (last 8 verifies) falls below this; 0 = never "
+     "(default: 0)", lambda text, flag: _fraction(text, flag)),
 ]
 
 
@@ -87,6 +111,9 @@ def _add_method_args(p: argparse.ArgumentParser, lists: bool = False) -> None:
     kind = "comma list of " if lists else ""
     p.add_argument("--drafter", default="auto",
                    help="ReDrafter head directory; 'auto' = the head shipped in models/ for this model")
+    p.add_argument("--draft-model", default=None,
+                   help="triforce --bottom model: a small model with the target's tokenizer (directory, "
+                        "Hugging Face repo id or 'default')")
     for method, _, flag, text, _ in METHOD_SETTINGS:
         p.add_argument(flag, default=None, help=f"{method}: {kind}{text}")
         if flag == "--beam-length":  # argparse lists options in the order they are added
@@ -139,4 +166,5 @@ def load_engine(args):
 
     print(f"Loading {args.model}...", file=sys.stderr, flush=True)
     return Engine.load(args.model, dtype=args.dtype, drafter=getattr(args, "drafter", "auto"),
-                       apar_adapter=apar_adapter_spec(getattr(args, "apar_adapter", "auto")))
+                       apar_adapter=apar_adapter_spec(getattr(args, "apar_adapter", "auto")),
+                       draft_model=getattr(args, "draft_model", None))

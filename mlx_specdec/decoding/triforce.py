@@ -1,141 +1,198 @@
-"""TriForce (Sun et al. 2024): hierarchical speculation for long contexts, greedy for now.
+"""TriForce (Sun et al. 2024): hierarchical speculation for long contexts.
 
 Three levels, as Algorithm 1 of the paper, with the target model at the two upper ones:
 
-    bottom  drafts γ1 tokens for the middle level: n-gram prompt lookup (`--bottom ngram`, free)
-            or nothing (`--bottom none`: the middle level writes one token per forward)
+    bottom  drafts up to γ1 tokens for the middle level (`--bottom`): n-gram prompt lookup
+            (free), a small same-tokenizer model over a StreamingLLM cache (`model`, needs
+            `--draft-model`), the ReDrafter head on the middle level's hidden state
+            (`redrafter`), or nothing (`none`: the middle level writes one token per forward)
     middle  the target over the retrieval cache (`cache/retrieval.py`: the prompt's best chunks,
             `budget` keys) verifies the bottom's drafts and collects γ2 tokens
     top     the target over the full cache verifies those γ2 tokens in one forward: the longest
-            prefix it agrees with, then its own next token
+            prefix it accepts, then its own next token
 
-The top level decides every token, so greedy output is the target's own (`ar`'s). After each
-top verify the retrieval cache forgets its own tokens and takes the accepted ones' keys and
-values from the full cache (as the reference code copies them), so both caches hold the same
-text. The retrieval cache is built once from the last prompt token's queries (the reference
-never rebuilds it either).
+Both verifies use the shared acceptance rule (`acceptance.py`). Greedy: the top level decides
+every token, so the output is the target's own (`ar`'s). Sampling, exact at both levels:
+    middle  a bottom draft x~ drawn from q is accepted with min(1, p^(x~)/q(x~)); on a rejection
+            the token comes from norm(max(0, p^ - q)) (line 13 of Algorithm 1, CORRECT(q, p^);
+            the reference code samples from p^ there, which skews what it hands up). Every token
+            the middle level writes is therefore distributed as p^, the row handed up with it.
+    top     each collected token is accepted with min(1, p(x)/p^(x)), else the next token comes
+            from norm(max(0, p - p^)); all accepted: a bonus token from p. Output ~ the target's
+            own sampling (`ar`'s distribution).
 
-Sampling (exact at both levels, line 13 of Algorithm 1) is not built yet: temperature > 0 is
-refused with one clear line.
+After each top verify the retrieval cache forgets its own tokens and takes the accepted ones'
+keys and values from the full cache (as the reference code copies them), so both caches hold
+the same text, and the bottom's text is cut back to what the top level committed. The
+retrieval cache is built from the last prompt token's queries, and rebuilt (`--rebuild-stride`,
+`--rebuild-below`) from the last committed token's queries over the prompt, with the generated
+text kept whole (the reference code never rebuilds).
 """
 
 from __future__ import annotations
 
-from typing import Iterator, List
+from collections import deque
+from typing import Iterator, List, Optional
 
 import mlx.core as mx
 
-from ..acceptance import greedy_accept
+from ..acceptance import greedy_accept, sampling_accept, target_probs
 from ..cache import QueryRecorder, RetrievalKVCache
-from ..drafting import NgramProposer
 from ..errors import UserError
 from ..model.forward import forward
 from .base import DecodeContext, Step, new_contiguous_cache, prefill
+from .triforce_bottom import BOTTOMS, make_bottom
 
 DEFAULT_BUDGET = 512  # retrieved prompt keys per KV head
 DEFAULT_GAMMA = 6  # tokens the middle level collects per top verify (γ2)
 DEFAULT_DRAFT = 3  # tokens the bottom level drafts per middle verify (γ1)
-BOTTOMS = ("ngram", "none")
+ROLLING_ROUNDS = 8  # rounds in the rolling middle acceptance that `rebuild_below` watches
+MIDDLE_CACHES = ("retrieval", "streaming")
 
 
-def _verify(model, cache, fed: List[int]):
-    """One forward of `fed` (the last token, then drafts) over `cache`, accepted by the shared
-    greedy rule (`acceptance.greedy_accept`, one beam): (drafts accepted, the target's own next
-    token). The one host sync of a verify."""
-    logits = forward(model, mx.array([fed]), cache, logits_for="all").logits  # (1, L, V)
-    result = greedy_accept(mx.array([fed]), logits)  # beams (1, L): one beam of L tokens
-    n, token = (int(v) for v in _read(result.num_accepted, result.next_token))
-    return n, token
+class Level:
+    """The target model over one cache, verifying a chain: greedy or exact sampling."""
+
+    def __init__(self, model, cache, params):
+        self.model, self.cache = model, cache
+        self.greedy, self.temperature, self.top_p = params.greedy, params.temperature, params.top_p
+
+    def verify(self, fed: List[int], draft_probs: Optional[mx.array]):
+        """One forward of `fed` (the last token, then k drafts) over the cache. Returns (drafts
+        accepted n, the next token, the distributions of the n + 1 tokens written (k+1, V) or
+        None when greedy, the hidden states (1, k+1, D)). The one host sync of a verify."""
+        out = forward(self.model, mx.array([fed]), self.cache, logits_for="all")  # logits (1, k+1, V)
+        beams = mx.array([fed])  # one beam of k + 1 tokens
+        if self.greedy:
+            accepted, probs = greedy_accept(beams, out.logits), None
+            num_accepted, next_token = accepted.num_accepted, accepted.next_token
+        else:
+            probs = target_probs(out.logits[0], self.temperature, self.top_p)  # (k+1, V): p at each depth
+            if len(fed) == 1:  # nothing drafted: the level's own sample
+                num_accepted, next_token = mx.array(0), mx.random.categorical(mx.log(mx.maximum(probs[0], 1e-20)))
+            else:
+                accepted = sampling_accept(beams, probs[None], draft_probs[None])
+                num_accepted, next_token = accepted.num_accepted, accepted.next_token
+        mx.eval(num_accepted, next_token)  # host sync
+        n = int(num_accepted.item())
+        return n, int(next_token.item()), None if probs is None else probs[: n + 1], out.hidden
 
 
-def _read(*arrays):
-    mx.eval(*arrays)  # host sync
-    return [a.item() for a in arrays]
+def _settings(ctx: DecodeContext) -> dict:
+    options = ctx.params.options
+    s = dict(budget=int(options.get("budget", DEFAULT_BUDGET)), gamma=int(options.get("gamma", DEFAULT_GAMMA)),
+             draft_length=int(options.get("draft_length", DEFAULT_DRAFT)), bottom=str(options.get("bottom", "ngram")),
+             middle_cache=str(options.get("middle_cache", "retrieval")),
+             rebuild_stride=int(options.get("rebuild_stride", 0)),
+             rebuild_below=float(options.get("rebuild_below", 0.0)))
+    if s["bottom"] not in BOTTOMS:
+        raise UserError(f"--bottom is {', '.join(BOTTOMS)}, not {s['bottom']!r}")
+    if s["middle_cache"] not in MIDDLE_CACHES:
+        raise UserError(f"--middle-cache is {' or '.join(MIDDLE_CACHES)}, not {s['middle_cache']!r}")
+    if s["budget"] < 16 or s["gamma"] < 1 or s["draft_length"] < 1:
+        raise UserError("triforce needs --budget >= 16, --gamma >= 1 and --draft-length >= 1")
+    if s["rebuild_stride"] < 0 or not 0.0 <= s["rebuild_below"] <= 1.0:
+        raise UserError("triforce needs --rebuild-stride >= 0 and --rebuild-below between 0 and 1")
+    return s
 
 
 def triforce(ctx: DecodeContext) -> Iterator[Step]:
-    options, model, stats = ctx.params.options, ctx.lm.model, ctx.stats
-    budget = int(options.get("budget", DEFAULT_BUDGET))
-    gamma = int(options.get("gamma", DEFAULT_GAMMA))
-    draft_length = int(options.get("draft_length", DEFAULT_DRAFT))
-    bottom = str(options.get("bottom", "ngram"))
-    if not ctx.params.greedy:
-        raise UserError("triforce decodes greedily for now (exact sampling at both levels is not built yet): "
-                        "use --temp 0")
-    if bottom not in BOTTOMS:
-        raise UserError(f"--bottom is {' or '.join(BOTTOMS)}, not {bottom!r}")
-    if budget < 16 or gamma < 1 or draft_length < 1:
-        raise UserError("triforce needs --budget >= 16, --gamma >= 1 and --draft-length >= 1")
+    s = _settings(ctx)
+    model, stats, prompt = ctx.lm.model, ctx.stats, ctx.prompt
+    gamma = s["gamma"]
 
     full = new_contiguous_cache(ctx)
-    prompt = ctx.prompt
     prefill(ctx, full, prompt[:-1])
     recorder = QueryRecorder(full)  # the last prompt token's queries score the prompt's chunks
-    logits = forward(model, mx.array(prompt[-1:])[None], recorder, logits_for="last").logits
-    token = int(mx.argmax(logits[0, -1]).item())  # host sync: the first token
+    first = forward(model, mx.array(prompt[-1:])[None], recorder, logits_for="last")
+    logits = first.logits[:, -1]  # (1, V)
+    token = int(ctx.sampler(logits - mx.logsumexp(logits, keepdims=True)).item())  # host sync
+    hidden = first.hidden[:, -1]  # (1, D): the state that wrote `token` (the ReDrafter head reads it)
     stats.forward_passes += 1
-    middle = RetrievalKVCache.build(full, recorder.queries(), budget)
-    proposer = NgramProposer(1, draft_length + 1, vocab=int(logits.shape[-1])) if bottom == "ngram" else None
-    # (the lookup text holds only what the top level committed: a middle round's own tokens are
-    # speculative until the full-cache verify)
-    if proposer is not None:
-        proposer.begin([prompt])
-    counts = {"middle_forwards": 0, "bottom_drafted": 0, "bottom_accepted": 0, "top_drafted": 0,
-              "top_accepted": 0, "top_forwards": 0}
+    bottom = make_bottom(s["bottom"], ctx, s["draft_length"], vocab=int(logits.shape[-1]))
+
+    def build(queries, query_index: int = -1) -> RetrievalKVCache:
+        return RetrievalKVCache.build(full, queries, s["budget"], prompt_length=len(prompt),
+                                      query_index=query_index, policy=s["middle_cache"])
+
+    middle_cache = build(recorder.queries())
+    middle, top = Level(model, middle_cache, ctx.params), Level(model, full, ctx.params)
+    bottom.begin(prompt)
+    counts = dict(middle_forwards=0, bottom_drafted=0, bottom_accepted=0, top_drafted=0, top_accepted=0,
+                  top_forwards=0, rebuilds=0)
+    rolling = deque(maxlen=ROLLING_ROUNDS)  # per round: accepted / drafted at the top verify
+    since_build = 0
     yield Step([token])
 
     def report() -> None:
+        c = counts
         stats.extra.update(
-            budget=middle.budget, bottom=bottom, gamma=gamma,
-            bottom_acceptance=round(counts["bottom_accepted"] / max(counts["bottom_drafted"], 1), 3),
-            middle_acceptance=round(counts["top_accepted"] / max(counts["top_drafted"], 1), 3),
-            tokens_per_full_forward=round((counts["top_accepted"] + counts["top_forwards"])
-                                          / max(counts["top_forwards"], 1), 3),
-            middle_forwards=counts["middle_forwards"], retrieval_rebuilds=0)
+            budget=middle_cache.budget, bottom=s["bottom"], gamma=gamma, middle_cache=s["middle_cache"],
+            bottom_acceptance=round(c["bottom_accepted"] / max(c["bottom_drafted"], 1), 3),
+            middle_acceptance=round(c["top_accepted"] / max(c["top_drafted"], 1), 3),
+            tokens_per_full_forward=round((c["top_accepted"] + c["top_forwards"]) / max(c["top_forwards"], 1), 3),
+            middle_forwards=c["middle_forwards"], retrieval_rebuilds=c["rebuilds"])
 
-    def middle_drafts(start: int) -> List[int]:
-        """γ2 tokens after `start`, written by the target over the retrieval cache (with the
-        bottom's drafts verified γ1 at a time). The middle cache keeps them: the caller trims."""
+    def middle_round(start: int, hidden: mx.array):
+        """γ2 tokens after `start` written by the target over the retrieval cache, with the
+        bottom's drafts verified γ1 at a time, and the distribution each was written from."""
         drafts: List[int] = []
+        rows: List[mx.array] = []
         x = start
         while len(drafts) < gamma:
-            found = proposer.continuations(0, x) if proposer is not None else []  # host-side lookup
-            candidates = found[0] if found else []  # no match: the middle level writes one token
-            n, own = _verify(model, middle, [x] + candidates)  # the middle verify
+            candidates, q = bottom.draft(x, hidden)
+            n, own, probs, states = middle.verify([x] + candidates, q)
             counts["middle_forwards"] += 1
             counts["bottom_drafted"] += len(candidates)
             counts["bottom_accepted"] += n
-            middle.trim(len(candidates) - n)  # fed x and the candidates: keep x and the accepted
-            written = candidates[:n] + [own]
-            drafts += written
-            x = written[-1]
-        return drafts[:gamma]
+            middle_cache.trim(len(candidates) - n)  # fed x and the candidates: keep x and the accepted
+            bottom.commit([x] + candidates[:n])
+            drafts += candidates[:n] + [own]
+            if probs is not None:
+                rows.append(probs)
+            x, hidden = own, states[:, n]  # the state that wrote `own` (the ReDrafter head reads it)
+        return drafts[:gamma], (mx.concatenate(rows)[:gamma] if rows else None)
 
     try:
         while True:
-            committed = middle.layers[0].own  # the middle cache's tokens the top level has committed
-            drafts = middle_drafts(token)
-            # The top level: one forward of the full cache over the last token and the drafts.
-            n, following = _verify(model, full, [token] + drafts)
+            committed = middle_cache.layers[0].own  # the middle cache's tokens the top level committed
+            base = full.offset  # the committed text: the prompt and every token before `token`
+            drafts, handed_up = middle_round(token, hidden)
+            due = (s["rebuild_stride"] and since_build >= s["rebuild_stride"]) or (
+                s["rebuild_below"] and len(rolling) == rolling.maxlen
+                and sum(rolling) / len(rolling) < s["rebuild_below"])
+            scorer = QueryRecorder(full) if due else None  # this verify's queries score the rebuild
+            top.cache = scorer or full
+            n, following, _, states = top.verify([token] + drafts, handed_up)
+            hidden = states[:, n]
+            top.cache = full
             stats.forward_passes += 1
             counts["top_forwards"] += 1
             counts["top_drafted"] += len(drafts)
             counts["top_accepted"] += n
+            rolling.append(n / len(drafts))
             full.trim(len(drafts) - n)  # keep the last token and the accepted drafts
             kept = 1 + n
-            # The middle cache drops what it wrote this round and takes the full cache's entries of
-            # the newly committed tokens, so both levels continue from the same text.
-            middle.trim(middle.layers[0].own - committed)
-            end = full.offset
-            for mid, top in zip(middle.layers, full.layers):
-                mid.update_and_fetch(top.keys[..., end - kept:end, :], top.values[..., end - kept:end, :])
-            if middle.offset != full.offset:  # both hold the prompt and every committed token
-                raise RuntimeError(f"triforce: retrieval cache at {middle.offset}, full cache at {full.offset}")
-            if proposer is not None:  # the lookup text is the text the top level committed
-                proposer.commit([[token] + drafts[:n]])
+            since_build += kept
+            bottom.rollback(base)  # the bottom's text: what the top level committed
+            bottom.commit([token] + drafts[:n])
+            if due:  # scored by the last committed token's queries (fed[n]) over the prompt
+                middle_cache = build(scorer.queries(), query_index=n)
+                middle.cache = middle_cache
+                counts["rebuilds"] += 1
+                since_build = 0
+                rolling.clear()
+            else:
+                # The middle cache drops what it wrote this round and takes the full cache's
+                # entries of the newly committed tokens: both levels continue from the same text.
+                middle_cache.trim(middle_cache.layers[0].own - committed)
+                end = full.offset
+                for mid, layer in zip(middle_cache.layers, full.layers):
+                    mid.update_and_fetch(layer.keys[..., end - kept:end, :], layer.values[..., end - kept:end, :])
+            if middle_cache.offset != full.offset:  # both hold the prompt and every committed token
+                raise RuntimeError(f"triforce: retrieval cache at {middle_cache.offset}, full cache at {full.offset}")
             token = following
             report()
             yield Step(drafts[:n] + [token], drafted=len(drafts), accepted=n)
     finally:
         mx.eval(full.state)
-

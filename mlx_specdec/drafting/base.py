@@ -7,12 +7,16 @@ target's own latest token, together with the distribution each drafted token was
     propose(token (B,), hidden (B, D) | None) -> Proposal(beams (B, W, L), owner, draft_probs)
     commit(tokens per row)   what became text this step, before the target's next own token: the
                              own token the proposal started from and the drafts accepted after it
-    rollback()               forget whatever was proposed but not committed
+    rollback(lengths | None) cut each row's committed text back to lengths[row] tokens (in a
+                             hierarchy the level above may reject what the proposer's own verifier
+                             accepted: TriForce's full-cache verify); None forgets only what was
+                             proposed and not committed
 
 `owner` is the dedup table of shared prefixes (`drafter.beam.dedup_prefix`): verification packs
 each distinct prefix once. A proposer whose drafts follow from the committed text alone keeps
 that text as its state (n-gram lookup); one that reads the target's hidden state has none
-(the ReDrafter head): its commit and rollback do nothing.
+(the ReDrafter head): its commit and rollback do nothing. A small draft model over a StreamingLLM
+cache (`model.py`) keeps both the text and its cache, cut back to the text at each proposal.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ class Proposer(Protocol):
 
     def commit(self, tokens: Sequence[Sequence[int]]) -> None: ...
 
-    def rollback(self) -> None: ...
+    def rollback(self, lengths: Optional[Sequence[int]] = None) -> None: ...
 
 
 def select_rows(proposal: Proposal, keep: np.ndarray) -> Proposal:

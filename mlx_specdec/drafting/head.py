@@ -39,5 +39,5 @@ class HeadProposer:
     def commit(self, tokens: Sequence[Sequence[int]]) -> None:
         pass
 
-    def rollback(self) -> None:
+    def rollback(self, lengths: Optional[Sequence[int]] = None) -> None:
         pass

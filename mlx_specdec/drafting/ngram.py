@@ -87,5 +87,17 @@ class NgramProposer:
         for row, row_tokens in enumerate(tokens):
             self._extend(row, row_tokens)
 
-    def rollback(self) -> None:
-        pass  # nothing enters the text before commit
+    def rollback(self, lengths: Optional[Sequence[int]] = None) -> None:
+        """Cut each row's text back to lengths[row] tokens (a higher level rejected what its
+        verifier had committed here); its n-grams leave the index. Nothing is proposed into the
+        text, so without lengths there is nothing to forget."""
+        for row, length in enumerate(lengths or []):
+            text, index = self.texts[row], self._index[row]
+            for end in range(len(text), int(length), -1):  # the newest n-grams end last in each list
+                for n in range(self.min_ngram, self.max_ngram + 1):
+                    if end >= n:
+                        key = tuple(text[end - n:end])
+                        index[key].pop()
+                        if not index[key]:
+                            del index[key]
+            del text[int(length):]
