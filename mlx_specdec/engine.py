@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
+from .cache.prefix import PrefixStore
 from .decoding import STRATEGIES, Event, GenerationParams, stream_events
 from .errors import UserError
 from .model.loader import LoadedModel, load_model
@@ -39,6 +40,9 @@ def apar_adapter_spec(value: str) -> Optional[str]:
     return None if value == "none" else value
 
 
+PREFIX_METHODS = ("ar", "triforce")  # strategies that resume from the prefix store
+
+
 def check_same_tokenizer(lm: LoadedModel, draft: LoadedModel) -> None:
     """A draft model must write the target's tokens: the same vocabulary, token for token."""
     rows = [m.model.model.embed_tokens.weight.shape[0] for m in (lm, draft)]  # the logits' width
@@ -49,24 +53,30 @@ def check_same_tokenizer(lm: LoadedModel, draft: LoadedModel) -> None:
 
 class Engine:
     def __init__(self, lm: LoadedModel, drafter: Optional[str] = "auto",
-                 apar_adapter: Optional[str] = "auto", draft_model: Optional[LoadedModel] = None):
-        """draft_model: a small model with lm's tokenizer (triforce's `--bottom model`)."""
+                 apar_adapter: Optional[str] = "auto", draft_model: Optional[LoadedModel] = None,
+                 reuse_prefix: bool = False):
+        """draft_model: a small model with lm's tokenizer (triforce's `--bottom model`).
+        reuse_prefix: keep the last prompt's KV cache and resume the next request from the
+        longest common prefix (`cache/prefix.py`; ar and triforce). A chat wants it; a bench
+        must not have it (a second method would skip its prefill)."""
         self.lm = lm
         self.drafter_spec = drafter
         self.apar_adapter_spec = apar_adapter
         self._resources: Dict[str, object] = {}
         self.draft_model = draft_model
+        self.prefix_store = PrefixStore() if reuse_prefix else None
         if draft_model is not None:
             check_same_tokenizer(lm, draft_model)
 
     @classmethod
     def load(cls, model: Optional[str] = "default", dtype: str = "auto",
              drafter: Optional[str] = "auto", apar_adapter: Optional[str] = "auto",
-             draft_model: Optional[str] = None) -> "Engine":
+             draft_model: Optional[str] = None, reuse_prefix: bool = False) -> "Engine":
         """drafter / apar_adapter: 'auto' (one shipped in models/ for this model, if any), a
         directory, or None. draft_model: a model spec as `model` (triforce's bottom level)."""
         lm = load_model(model, dtype=dtype)
-        engine = cls(lm, drafter, apar_adapter, load_model(draft_model, dtype=lm.dtype) if draft_model else None)
+        engine = cls(lm, drafter, apar_adapter, load_model(draft_model, dtype=lm.dtype) if draft_model else None,
+                     reuse_prefix=reuse_prefix)
         if drafter not in (None, "auto"):
             engine.drafter  # load now: a mismatched head is reported before anything runs
         if apar_adapter not in (None, "auto"):
@@ -121,11 +131,14 @@ class Engine:
         return None
 
     def _resources_for(self, method: str) -> Dict[str, object]:
+        resources: Dict[str, object] = {}
+        if method in PREFIX_METHODS and self.prefix_store is not None:
+            resources["prefix_store"] = self.prefix_store
         if method == "redrafter":
-            return {"drafter": self.drafter}
+            resources["drafter"] = self.drafter
         if method == "triforce":  # for --bottom redrafter / model
-            return {"drafter": self.drafter, "draft_model": self.draft_model}
-        return {}
+            resources.update(drafter=self.drafter, draft_model=self.draft_model)
+        return resources
 
     @property
     def methods(self) -> List[str]:

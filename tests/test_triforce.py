@@ -173,8 +173,9 @@ def test_both_caches_hold_the_same_text_after_every_round(monkeypatch):
 
     monkeypatch.setattr(retrieval.RetrievalKVCache, "build", classmethod(capture))
     fulls = []
-    new_cache = triforce_module.new_contiguous_cache
-    monkeypatch.setattr(triforce_module, "new_contiguous_cache", lambda ctx: fulls.append(new_cache(ctx)) or fulls[-1])
+    new_cache = triforce_module.prefilled_cache
+    monkeypatch.setattr(triforce_module, "prefilled_cache",
+                        lambda ctx, tokens: fulls.append(new_cache(ctx, tokens)) or fulls[-1])
     engine = Engine(make_tiny_lm(seed=3, eos_id=96))
     params = GenerationParams(max_tokens=40, options={"bottom": "ngram", "budget": 24, "gamma": 4})
     rounds = 0

@@ -40,7 +40,7 @@ def cmd_chat(args) -> int:
         from tui.cli import run_chat  # the app lives outside the engine: nothing here imports Textual
 
         return run_chat(args, params)
-    engine = load_engine(args)
+    engine = load_engine(args, reuse_prefix=True)  # each turn resumes from the last one's prompt
     print(f"Chatting with {engine.lm.describe()} using {args.method}. "
           "Type /quit to leave, /reset to start over; Ctrl-C stops an answer.", file=sys.stderr)
     messages: List[dict] = []

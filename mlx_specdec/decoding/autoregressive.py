@@ -12,14 +12,13 @@ from typing import Iterator
 import mlx.core as mx
 
 from ..model.forward import forward
-from .base import DecodeContext, Step, new_contiguous_cache, prefill
+from .base import DecodeContext, Step, keep_prefix, prefilled_cache
 
 
 def autoregressive(ctx: DecodeContext) -> Iterator[Step]:
     model, sampler = ctx.lm.model, ctx.sampler
     greedy = ctx.params.greedy
-    cache = new_contiguous_cache(ctx)
-    prefill(ctx, cache, ctx.prompt[:-1])
+    cache = prefilled_cache(ctx, ctx.prompt[:-1])
 
     def next_token(token: mx.array) -> mx.array:  # token: (1,) -> (1,)
         logits = forward(model, token[None], cache, logits_for="last").logits[:, -1, :]  # (1, V)
@@ -41,4 +40,5 @@ def autoregressive(ctx: DecodeContext) -> Iterator[Step]:
                 return
             token = following
     finally:
-        mx.eval(cache.state)  # settle the queued step; the cache is discarded with the stream
+        mx.eval(cache.state)  # settle the queued step
+        keep_prefix(ctx, cache, ctx.prompt[:-1])  # the next chat turn may resume from the prompt

@@ -196,6 +196,28 @@ def new_contiguous_cache(ctx: DecodeContext) -> ContiguousKVCache:
     return ContiguousKVCache.for_model(ctx.lm.model)
 
 
+def prefilled_cache(ctx: DecodeContext, tokens: Sequence[int]) -> ContiguousKVCache:
+    """A cache holding `tokens` (the prompt but its last token): resumed from the engine's prefix
+    store when it has one (`cache/prefix.py`: only the tokens after the common prefix are
+    prefilled), else prefilled from scratch. Hand it back with `keep_prefix` when done."""
+    store = ctx.resources.get("prefix_store")
+    if store is None:
+        cache, reused = new_contiguous_cache(ctx), 0
+    else:
+        cache, reused = store.take(ctx.lm.model, tokens)
+        ctx.stats.extra["prefix_reused"] = reused
+    prefill(ctx, cache, list(tokens)[reused:])
+    return cache
+
+
+def keep_prefix(ctx: DecodeContext, cache: ContiguousKVCache, tokens: Sequence[int]) -> None:
+    """Return the cache to the prefix store, keeping `tokens` (the caller's `prefilled_cache`
+    tokens; what was decoded after them is dropped). Without a store the cache is discarded."""
+    store = ctx.resources.get("prefix_store")
+    if store is not None:
+        store.put(ctx.lm.model, tokens, cache)
+
+
 def peak_memory_mb() -> float:
     peak = mx.get_peak_memory()
     if peak:

@@ -40,7 +40,7 @@ from ..acceptance import greedy_accept, sampling_accept, target_probs
 from ..cache import QueryRecorder, RetrievalKVCache
 from ..errors import UserError
 from ..model.forward import forward
-from .base import DecodeContext, Step, new_contiguous_cache, prefill
+from .base import DecodeContext, Step, keep_prefix, prefilled_cache
 from .triforce_bottom import BOTTOMS, make_bottom
 
 DEFAULT_BUDGET = 512  # retrieved prompt keys per KV head
@@ -101,8 +101,7 @@ def triforce(ctx: DecodeContext) -> Iterator[Step]:
     model, stats, prompt = ctx.lm.model, ctx.stats, ctx.prompt
     gamma = s["gamma"]
 
-    full = new_contiguous_cache(ctx)
-    prefill(ctx, full, prompt[:-1])
+    full = prefilled_cache(ctx, prompt[:-1])  # resumed from the last turn's prompt in a chat
     recorder = QueryRecorder(full)  # the last prompt token's queries score the prompt's chunks
     first = forward(model, mx.array(prompt[-1:])[None], recorder, logits_for="last")
     logits = first.logits[:, -1]  # (1, V)
@@ -196,3 +195,4 @@ def triforce(ctx: DecodeContext) -> Iterator[Step]:
             yield Step(drafts[:n] + [token], drafted=len(drafts), accepted=n)
     finally:
         mx.eval(full.state)
+        keep_prefix(ctx, full, prompt[:-1])

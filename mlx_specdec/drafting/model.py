@@ -20,19 +20,11 @@ import mlx.core as mx
 import numpy as np
 
 from ..acceptance import target_probs
+from ..cache.prefix import common_prefix
 from ..cache.streaming import StreamingKVCache
 from ..drafter.beam import dedup_prefix
 from ..model.forward import forward
 from .base import Proposal
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class ModelProposer:
@@ -90,7 +82,7 @@ class ModelProposer:
         context = self.text + [int(np.array(token).reshape(-1)[0])]  # host sync: the token's value
         if self.cache is None:
             self._reset()
-        keep = min(_common_prefix(self.cached, context), len(context) - 1)
+        keep = min(common_prefix(self.cached, context), len(context) - 1)
         if len(self.cached) - keep > self.cache.stored - min(self.sink, self.cache.stored):
             self._reset()  # the divergence lies in evicted text: start over from the sink and window
             keep = 0
