@@ -161,10 +161,10 @@ def _params(args):
                             seed=args.seed, stop=tuple(args.stop), options=_method_options(args))
 
 
-def load_engine(args):
+def load_engine(args, reuse_prefix: bool = False):
     from ..engine import Engine, apar_adapter_spec
 
     print(f"Loading {args.model}...", file=sys.stderr, flush=True)
     return Engine.load(args.model, dtype=args.dtype, drafter=getattr(args, "drafter", "auto"),
                        apar_adapter=apar_adapter_spec(getattr(args, "apar_adapter", "auto")),
-                       draft_model=getattr(args, "draft_model", None))
+                       draft_model=getattr(args, "draft_model", None), reuse_prefix=reuse_prefix)
