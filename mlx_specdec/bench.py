@@ -12,6 +12,11 @@ its own answer (its model is fine-tuned), so for it the ratio compares generated
 
 When `apar` runs, every ar and apar answer is also scored by the original model (`answer_nll`:
 mean NLL per token, `apar.quality`), and APAR's summary carries `nll_vs_ar`, its quality guard.
+
+Long documents (`--context-length`, benchmarks/long_prompts.jsonl): a prompt that does not fit the
+model's window with its answer (prompt tokens + max_tokens) is refused before anything runs, never
+cut. A needle prompt (a pass key hidden in the document) gets `needle_found` per row and
+`needles_found` (k/n) per method: a method that lost the document loses the key.
 """
 
 from __future__ import annotations
@@ -33,18 +38,22 @@ from .errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PROMPTS = REPO_ROOT / "benchmarks" / "prompts.jsonl"
+LONG_PROMPTS = REPO_ROOT / "benchmarks" / "long_prompts.jsonl"  # built by benchmarks/long_prompts.py
+#: warm-up: a prompt longer than this is not warmed up on (its prefill would cost seconds per method)
+WARMUP_MAX_TOKENS = 512
+WARMUP_PROMPT = "Say hello in one short sentence."
 
 ROW_COLUMNS = [
     "method", "config", "prompt_id", "category", "repeat", "prompt_tokens", "new_tokens",
     "decode_tps", "ttft_ms", "decode_s", "forward_passes", "tokens_per_forward", "drafted",
     "accepted", "peak_memory_mb", "identical_to_ar", "compression", "acceptance_per_position",
     "threads", "max_cached_tokens", "flat_max_cached_tokens", "attended_tokens_mean",
-    "flat_attended_tokens_mean", "answer_nll",
+    "flat_attended_tokens_mean", "answer_nll", "needle_found",
 ]
 SUMMARY_COLUMNS = [
     "method", "config", "prompts", "new_tokens", "decode_tps", "decode_tps_sd", "speedup_vs_ar",
     "speedup_sd", "tokens_per_forward", "ttft_ms_median", "peak_memory_mb", "identical_fraction",
-    "compression", "acceptance_per_position", "draft_ms_per_step", "verify_ms_per_step",
+    "needles_found", "compression", "acceptance_per_position", "draft_ms_per_step", "verify_ms_per_step",
     "accept_ms_per_step", "pack_ms_per_step", "sync_ms_per_step",
     # apar: the paper's Tables 1, 2 and 7, each next to the flattened answer decoded sequentially
     "forked_fraction", "threads_mean", "threads_when_forked", "decode_steps_mean", "flat_decode_steps_mean",
@@ -71,6 +80,9 @@ class Prompt:
     category: str
     text: str
     shape: str = "-"  # the answer's expected shape: list, paragraphs, code, math (our prompt files)
+    context: str = "-"  # long_prompts.jsonl: the size set (2k, 4k, 6k) and its measured tokens
+    tokens: Optional[int] = None
+    expected: Optional[str] = None  # a needle prompt's pass key: the answer should contain it
 
 
 @dataclass
@@ -84,9 +96,12 @@ class MethodConfig:
 
 
 def load_prompts(path: Optional[Path], limit: Optional[int] = None,
-                 categories: Optional[List[str]] = None, shapes: Optional[List[str]] = None) -> List[Prompt]:
-    """FastChat question files (JSON lines with question_id, category, turns) or plain text."""
-    path = Path(path) if path else DEFAULT_PROMPTS
+                 categories: Optional[List[str]] = None, shapes: Optional[List[str]] = None,
+                 context: Optional[str] = None) -> List[Prompt]:
+    """FastChat question files (JSON lines with question_id, category, turns) or plain text.
+    `context` (2k, 4k, 6k, all, or a number of tokens) keeps one size set of a long-prompt file
+    (default: benchmarks/long_prompts.jsonl); then categories/shapes, then limit."""
+    path = Path(path) if path else (LONG_PROMPTS if context else DEFAULT_PROMPTS)
     if not path.exists():
         raise UserError(f"prompt file {path} does not exist")
     prompts: List[Prompt] = []
@@ -99,11 +114,15 @@ def load_prompts(path: Optional[Path], limit: Optional[int] = None,
                 record = json.loads(line)
                 turns = record.get("turns") or [record.get("prompt") or record.get("text")]
                 prompts.append(Prompt(str(record.get("question_id", record.get("id", number))),
-                                      record.get("category", "-"), str(turns[0]), record.get("shape", "-")))
+                                      record.get("category", "-"), str(turns[0]), record.get("shape", "-"),
+                                      str(record.get("context", "-")), record.get("tokens"),
+                                      None if record.get("expected") is None else str(record["expected"])))
             except (json.JSONDecodeError, TypeError, IndexError) as exc:
                 raise UserError(f"{path}:{number}: not a FastChat question line ({exc})") from None
         else:
             prompts.append(Prompt(str(number), "-", line))
+    if context:
+        prompts = select_context(prompts, context, path)
     if categories or shapes:  # a prompt is kept if its category or its shape is asked for
         prompts = [p for p in prompts if p.category in (categories or []) or p.shape in (shapes or [])]
     if limit:
@@ -111,6 +130,48 @@ def load_prompts(path: Optional[Path], limit: Optional[int] = None,
     if not prompts:
         raise UserError(f"no prompts selected from {path}")
     return prompts
+
+
+def select_context(prompts: List[Prompt], size: str, path: Path) -> List[Prompt]:
+    """The prompts of one size set: its name (2k), `all`, or a number of tokens (the set whose mean
+    measured `tokens` is nearest)."""
+    sets: Dict[str, List[Prompt]] = {}
+    for prompt in prompts:
+        if prompt.context != "-":
+            sets.setdefault(prompt.context, []).append(prompt)
+    names = ", ".join(sets) or "none"
+    wanted = size.strip().lower()
+    if not sets:
+        raise UserError(f"--context-length: {path} has no size sets (no 'context' field); "
+                        f"use benchmarks/long_prompts.jsonl")
+    if wanted == "all":
+        return [p for p in prompts if p.context != "-"]
+    for name, members in sets.items():
+        if name.lower() == wanted:
+            return members
+    if wanted.isdigit() and int(wanted) > 0:
+        def mean_tokens(name: str) -> float:
+            counted = [p.tokens for p in sets[name] if p.tokens]
+            return statistics.fmean(counted) if counted else float("inf")
+        return sets[min(sets, key=lambda name: abs(mean_tokens(name) - int(wanted)))]
+    raise UserError(f"unknown --context-length {size!r}: {path.name} has {names} "
+                    f"(or give all, or a number of tokens such as 4096)")
+
+
+def check_window(engine: Engine, prompts: List[Prompt], max_tokens: int) -> Dict[str, int]:
+    """Each prompt's tokens (as the engine encodes it); refuses, naming the first, any prompt whose
+    answer would not fit the model's window: the bench never cuts a prompt or an answer."""
+    window, counts = engine.lm.context_length, {}
+    for prompt in prompts:
+        counts[prompt.id] = len(engine.lm.encode_prompt(prompt.text))
+    over = [p.id for p in prompts if counts[p.id] + max_tokens > window]
+    if over:
+        more = f" (and {len(over) - 1} more)" if len(over) > 1 else ""
+        n = counts[over[0]]
+        raise UserError(f"prompt {over[0]}{more} has {n} tokens + --max-tokens {max_tokens} = "
+                        f"{n + max_tokens}, past the context window of {engine.lm.name} ({window} tokens); "
+                        f"lower --max-tokens or pick a smaller --context-length")
+    return counts
 
 
 def expand_configs(methods: Iterable[str], grids: Dict[str, Dict[str, List[object]]]) -> List[MethodConfig]:
@@ -169,10 +230,19 @@ def run_bench(engine: Engine, prompts: List[Prompt], configs: List[MethodConfig]
 
     if not any(c.method == "ar" for c in configs):
         configs = [MethodConfig("ar")] + configs  # the reference for identity and speed-up
-    # Warm-up: compile and allocate once per config, on a short run, before anything is timed.
+    counts = check_window(engine, prompts, params.max_tokens)
+    # Warm-up: compile and allocate once per config, on a short run, before anything is timed. On
+    # prompts[0], as always, unless it is long (a 6K-token document costs about a minute of prefill
+    # per method on a 2-core CPU): then on the shortest prompt if that is short, else on a fixed
+    # short one. The first timed long prefill then also allocates its bigger buffers: measured
+    # here, 10.3 s against 9.7 s for the next one at 1.8K tokens (the malloc keeps freed memory).
+    first = prompts[0]
+    if counts[first.id] > WARMUP_MAX_TOKENS:
+        shortest = min(prompts, key=lambda p: counts[p.id])
+        first = shortest if counts[shortest.id] <= WARMUP_MAX_TOKENS else Prompt("warm-up", "-", WARMUP_PROMPT)
     warm = GenerationParams(max_tokens=8, temperature=params.temperature, seed=params.seed)
     for config in configs:
-        run_one(engine, prompts[0], config, warm)
+        run_one(engine, first, config, warm)
 
     rows: List[dict] = []
     reference: Dict[str, List[int]] = {}
@@ -202,9 +272,12 @@ def run_bench(engine: Engine, prompts: List[Prompt], configs: List[MethodConfig]
                 })
                 bar.update(1)
     bar.close()
+    expected = {p.id: p.expected for p in prompts if p.expected}
     for row in rows:
         ref = reference.get(row["prompt_id"])
         row["identical_to_ar"] = ref is not None and row["_tokens"] == ref
+        if row["prompt_id"] in expected:  # a needle: did the answer keep the pass key?
+            row["needle_found"] = expected[row["prompt_id"]] in engine.lm.tokenizer.decode(row["_tokens"])
     if any(c.method == "apar" for c in configs):
         score_answers(engine, prompts, rows, progress)
     for row in rows:
@@ -269,10 +342,17 @@ def summarize(rows: List[dict], configs: List[MethodConfig], repeats: int) -> Li
             "ttft_ms_median": round(statistics.median(r["ttft_ms"] for r in mine), 1),
             "peak_memory_mb": max(r["peak_memory_mb"] for r in mine),
             "identical_fraction": round(sum(r["identical_to_ar"] for r in mine) / len(mine), 3),
+            **_needles(mine),
             **_speculation_summary(mine),
             **_apar_summary(mine, rows),
         })
     return summary
+
+
+def _needles(rows: List[dict]) -> dict:
+    """'k/n': of n needle answers (prompts x repeats), k contain their pass key; none without needles."""
+    needles = [r["needle_found"] for r in rows if "needle_found" in r]
+    return {"needles_found": f"{sum(needles)}/{len(needles)}"} if needles else {}
 
 
 def _decode_tps(rows: List[dict]) -> float:

@@ -24,6 +24,12 @@ def add_parser(sub) -> None:
     p.add_argument("--shapes", default=None,
                    help="comma list of answer shapes to keep (list, paragraphs, code, math); with "
                         "--categories, a prompt is kept if it matches either")
+    p.add_argument("--context-length", default=None, metavar="SIZE",
+                   help="long documents: the prompts of one size from benchmarks/long_prompts.jsonl (or "
+                        "--prompts): 2k (1800-2048 tokens), 4k (3600-4096), 6k (6000-7000), all, or a "
+                        "number of tokens (the nearest set); question, summary and needle (pass key) "
+                        "prompts, so --categories needle works. A prompt that does not fit the window "
+                        "with --max-tokens is refused, not cut")
     p.add_argument("--limit", type=int, default=None, help="use the first K prompts")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per answer (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=1,
@@ -47,7 +53,8 @@ def cmd_bench(args) -> int:
     configs = expand_configs(methods, method_grids(args))
     prompts = load_prompts(args.prompts, limit=args.limit,
                            categories=_comma_list(args.categories) if args.categories else None,
-                           shapes=_comma_list(args.shapes) if args.shapes else None)
+                           shapes=_comma_list(args.shapes) if args.shapes else None,
+                           context=args.context_length)
     if args.format not in ("md", "json", "csv"):
         raise UserError(f"unknown format {args.format!r} (choose md, json or csv)")
     if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg", ".pdf"):
