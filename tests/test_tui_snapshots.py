@@ -121,3 +121,24 @@ def test_snapshot_error_notification(tmp_path, snap_compare):
     engine = FakeEngine(fail=ContextOverflow("prompt has 9000 tokens but the context window of fake-llm is 8192"))
     app = app_for(tmp_path, engine)
     assert snap_compare(app, terminal_size=SIZE, run_before=asking("A very long question"))
+
+
+def test_snapshot_document_and_triforce(tmp_path, snap_compare):
+    """A TriForce answer to a message that carried a document (its chip in the message, both
+    levels' acceptance under the answer and in the status bar), and a second document attached."""
+    (tmp_path / "notes.txt").write_text("The lighthouse keeper on Marrow Island is Edwin Calloway.\n")
+    (tmp_path / "chapter-2.md").write_text("He has kept the light for thirty-one years.\n" * 20)
+    app = app_for(tmp_path, FakeEngine(), method="triforce")
+
+    async def run_before(pilot):
+        await wait_for(pilot, lambda: pilot.app.engine is not None)
+        await pilot.press("ctrl+b")  # the conversation list hidden: the whole width for the chat
+        for line in (f"/attach {tmp_path / 'notes.txt'}", "Who keeps the light?"):
+            pilot.app.query_one("#prompt").value = line
+            await pilot.press("enter")
+        await wait_for(pilot, lambda: pilot.app.last is not None and pilot.app.current is None)
+        pilot.app.query_one("#prompt").value = f"/attach {tmp_path / 'chapter-2.md'}"
+        await pilot.press("enter")
+        await pilot.pause(0.1)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)

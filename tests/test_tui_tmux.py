@@ -6,12 +6,16 @@
    was on screen is shown again (marked interrupted).
 3. APAR with the shipped adapter: a list question forks; the saved (restored) answer is exactly
    the engine's own restored answer for the same question, and it is what the screen shows.
+4. TriForce with a document: `/attach` shows the chip with the real tokenizer's count, a missing
+   file is one line, the answer to the next message (which carries the document) is on screen
+   with both levels' acceptance in the status bar; a follow-up resumes from the last turn's cache.
 
 Marked slow (the real model); skipped cleanly where tmux is absent. About a minute on 2 CPU cores.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -201,3 +205,44 @@ def test_apar_answer_in_tmux_is_the_engines_restored_answer(tmp_path, session):
     drawn = [re.sub(r"[│┃▍▌▐▔▁]", "", line).strip() for line in screen.splitlines()]
     drawn = [line for line in drawn if len(line) > 20]
     assert sum(squash(line) in squash(want) for line in drawn) >= 2, screen  # the answer is on screen
+
+
+def test_attached_document_with_triforce_in_tmux(tmp_path, session):
+    from mlx_specdec.engine import Engine
+
+    text = ("The lighthouse keeper on Marrow Island is named Edwin Calloway. He has kept the light for "
+            "31 years. His dog is called Biscuit.\n") * 3
+    doc = tmp_path / "notes.txt"
+    doc.write_text(text)
+    tokens = len(Engine.load("default").lm.tokenizer.encode(text))
+    data = tmp_path / "data"
+    start_app(session, data, max_tokens=30, method="triforce")
+    wait_screen(session, r"ready: ", timeout=300)
+    tmux("send-keys", "-t", session, "C-b")
+    tmux("send-keys", "-t", session, "-l", f"/attach {tmp_path / 'missing.txt'}")
+    tmux("send-keys", "-t", session, "Enter")
+    wait_screen(session, r"missing\.txt:\s+no such file", timeout=30)  # one line (wrapped)
+    tmux("send-keys", "-t", session, "-l", f"/attach {doc}")
+    tmux("send-keys", "-t", session, "Enter")
+    wait_screen(session, rf"notes\.txt · {tokens} tokens", timeout=30)  # the chip
+    tmux("send-keys", "-t", session, "-l", "What is the name of the lighthouse keeper?")
+    tmux("send-keys", "-t", session, "Enter")
+    screen = wait_screen(session, r"TriForce done", timeout=180)
+    print("\n--- screen after the TriForce answer ---\n" + screen)
+    assert re.search(r"acc (bottom|bot) \d+% · (middle|mid) \d+%", screen)  # the status bar
+    user, answer = rows(data / "chats.sqlite3")
+    assert user["content"] == ("Document: notes.txt\n\n" + text.strip()
+                               + "\n\nQuestion: What is the name of the lighthouse keeper?")
+    assert answer["status"] == "done" and "Calloway" in answer["content"]
+    assert squash(answer_on_screen(screen)) == squash(answer["content"])
+    # a follow-up: the document stays in the conversation, unchanged, so the engine resumes from
+    # the last turn's KV cache instead of prefilling the document again
+    tmux("send-keys", "-t", session, "-l", "What is his dog called?")
+    tmux("send-keys", "-t", session, "Enter")
+    deadline = time.time() + 180
+    while len(rows(data / "chats.sqlite3")) < 4 or rows(data / "chats.sqlite3")[-1]["status"] != "done":
+        assert time.time() < deadline, capture(session)
+        time.sleep(0.25)
+    saved = rows(data / "chats.sqlite3")
+    assert saved[0]["content"] == user["content"]
+    assert json.loads(saved[-1]["stats"]).get("prefix_reused", 0) > tokens

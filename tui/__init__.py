@@ -1,5 +1,8 @@
 """The Textual chat app. It talks to the engine only through `Engine.chat(...)`'s event stream
-(see `tui.stream`), so tests drive it with `tui.fake.FakeEngine` as well as the real engine.
+(see `tui.stream`), and counts an attached document's tokens with `engine.lm` (its tokenizer,
+chat encoding and context window: `tui.documents`), so tests drive it with `tui.fake.FakeEngine`
+as well as the real engine.
 
-`tui.store`, `tui.stream`, `tui.baseline`, `tui.hints` and `tui.fake` never import Textual; `tui.app` does.
+`tui.store`, `tui.stream`, `tui.baseline`, `tui.hints`, `tui.documents` and `tui.fake` never import
+Textual; `tui.app` does.
 """

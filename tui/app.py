@@ -5,8 +5,9 @@ each answer is generated in a thread worker that posts one message per engine ev
 thread alone touches widgets and the SQLite store, so what is saved is exactly what is shown.
 Esc stops an answer at once: the UI marks it stopped and ignores the worker's later messages;
 the worker closes the engine's stream at its next event (the engine rolls its cache back).
-The workers and the handlers of their messages are in `tui.workers`; this module is the layout,
-the conversations, the keys and their actions.
+The workers and the handlers of their messages are in `tui.workers`, attaching a document to a
+conversation (`/attach`, Ctrl+L) in `tui.attach`; this module is the layout, the conversations,
+the keys and their actions.
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, Input, ProgressBar, Static
 
+from .attach import AttachMixin
+from .documents import DocumentError
 from .messages import Generation
 from .screens import DEFAULT_SETTINGS, HelpScreen, SettingsScreen
 from .store import Conversation, Store, data_dir, default_db_path
 from .stream import Restore, default_restore
-from .widgets import (ChatLog, ConversationItem, ConversationList, MessageView, StatusBar, ThreadPanes,
-                      marks_to_segments, method_label)
+from .widgets import (ChatLog, ConversationItem, ConversationList, DocumentChip, MessageView, StatusBar,
+                      ThreadPanes, marks_to_segments, method_label)
 from .workers import GenerationMixin, Loader, LoadingMixin, real_loader  # tui.cli imports real_loader from here
 
 
@@ -35,7 +38,7 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()[:40] or "conversation"
 
 
-class ChatApp(LoadingMixin, GenerationMixin, App):
+class ChatApp(LoadingMixin, GenerationMixin, AttachMixin, App):
     CSS_PATH = Path(__file__).with_name("chat.tcss")  # absolute: subclasses elsewhere find it too
     TITLE = "mlx-specdec chat"
     ENABLE_COMMAND_PALETTE = False
@@ -43,6 +46,7 @@ class ChatApp(LoadingMixin, GenerationMixin, App):
         Binding("escape", "stop", "Stop"),
         Binding("ctrl+n", "new_chat", "New"),
         Binding("ctrl+o", "settings", "Method"),
+        Binding("ctrl+l", "attach", "Attach"),
         Binding("ctrl+s", "export", "Export"),
         Binding("ctrl+b", "toggle_sidebar", "Chats"),
         Binding("ctrl+t", "toggle_theme", "Theme", show=False),
@@ -78,6 +82,7 @@ class ChatApp(LoadingMixin, GenerationMixin, App):
         self._gen_ids = 0
         self._engine_lock = threading.Lock()
         self._pending: Optional[str] = None
+        self.attachments = {}  # conversation id -> the Document its next message takes
         self.load_stage = "starting"
 
     # -- layout -----------------------------------------------------------------------------
@@ -93,6 +98,7 @@ class ChatApp(LoadingMixin, GenerationMixin, App):
                     yield ProgressBar(total=4, show_eta=False, id="load-bar")
                 yield ChatLog(id="chat")
                 yield ThreadPanes(id="threads")
+                yield DocumentChip(id="doc-chip")
                 yield Input(placeholder="Ask something… (Enter sends · Esc stops · F1 help)", id="prompt")
         yield StatusBar("", id="status")
         yield Footer(compact=True)
@@ -145,8 +151,10 @@ class ChatApp(LoadingMixin, GenerationMixin, App):
         gen = self.current
         for msg in self.store.messages(conversation_id):
             summary = str(msg.stats.get("line", "")) if msg.role == "assistant" else ""
+            document = msg.stats.get("document") if msg.role == "user" else None
             view = MessageView(msg.role, message_id=msg.id, method=msg.method or "", status=msg.status,
-                               segments=marks_to_segments(msg.content, msg.marks), summary=summary)
+                               segments=marks_to_segments(msg.content, msg.marks), summary=summary,
+                               document=document if isinstance(document, dict) else None)
             if gen is not None and not gen.finished and gen.message_id == msg.id:
                 gen.view = view
                 view.segments = gen.state.answer_segments()
@@ -156,6 +164,7 @@ class ChatApp(LoadingMixin, GenerationMixin, App):
             self.panes.reset()
         self.update_header()
         self.refresh_list()
+        self.show_chip()
 
     def refresh_list(self) -> None:
         lv = self.query_one("#conversations", ConversationList)
@@ -188,8 +197,16 @@ class ChatApp(LoadingMixin, GenerationMixin, App):
         text = event.value.strip()
         if not text:
             return
+        if self.run_command(text):  # /attach PATH, /detach
+            event.input.value = ""
+            return
         if self.current is not None and not self.current.finished:
             self.notify("An answer is still being written: Esc stops it.", severity="warning")
+            return
+        try:
+            document = self.document_for(text)  # counted before any prefill
+        except DocumentError as exc:
+            self.say(str(exc))  # the question stays in the input
             return
         event.input.value = ""
         if self.engine is None:
@@ -200,7 +217,9 @@ class ChatApp(LoadingMixin, GenerationMixin, App):
             self._pending = text
             self.notify("The model is still loading: your question is sent when it is ready.")
             return
-        self.ask(text)
+        if document is not None:
+            self.take_document()
+        self.ask(text, document)
 
     # -- actions ----------------------------------------------------------------------------
     def action_stop(self) -> None:

@@ -20,7 +20,7 @@ def run_chat(args, params) -> int:
                 "top_p": params.top_p, "seed": params.seed, **params.options}
     settings.pop("profile", None)
     adapter = apar_adapter_spec(getattr(args, "apar_adapter", "auto"))
-    app = ChatApp(loader=real_loader(args.model, args.dtype, args.drafter, adapter),
+    app = ChatApp(loader=real_loader(args.model, args.dtype, args.drafter, adapter, getattr(args, "draft_model", None)),
                   db_path=Path(args.db).expanduser() if args.db else None,
                   method=args.method, settings=settings, model_label=args.model,
                   export_dir=Path(args.export_dir).expanduser() if args.export_dir else None,

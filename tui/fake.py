@@ -3,8 +3,11 @@
 `FakeEngine.chat` yields the same `Event`s the engine does: plain streams (`ar`), ReDrafter-like
 steps whose tokens start with accepted drafts (`accepted`/`drafted` counts), and APAR-like forks
 (`thread_start` with a parent, per-thread tokens, `thread_end`), one forward per round of live
-threads. `elapsed_s` runs on a fake clock (`step_s` per forward), so the figures are exact and
-snapshots stable. `hold_after=N` blocks the stream after N forwards until `release()` or until the
+threads, and TriForce-like steps (γ drafts per full-cache verify, the two levels' acceptance in
+`stats.extra` as the engine reports them). Its tokenizer splits text into words (`words`); its
+chat encoding wraps each message in two marker tokens, and a prompt that does not fit
+`lm.context_length` is refused as the engine refuses it. `elapsed_s` runs on a fake clock
+(`step_s` per forward), so the figures are exact and snapshots stable. `hold_after=N` blocks the stream after N forwards until `release()` or until the
 consumer closes it (what Esc does), so a test can look at a half-written answer.
 """
 
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional
 
 from mlx_specdec.decoding.base import Event, GenerationStats
+from mlx_specdec.decoding.triforce import BOTTOMS, DEFAULT_BUDGET, DEFAULT_GAMMA
 from mlx_specdec.errors import ContextOverflow, UserError
 
 PLAIN_ANSWER = ("The sky looks blue because air scatters blue sunlight much more than red light, "
@@ -32,6 +36,10 @@ APAR_SCRIPT: Dict[int, list] = {
 PARENTS = {1: 0, 2: 0, 3: 0, 4: 1}
 #: sizes of successive ReDrafter steps (accepted drafts = size - 1)
 REDRAFTER_STEPS = [1, 3, 1, 2, 4, 1, 3, 2, 1, 4]
+#: TriForce: drafts of the middle level the full-cache verify accepts, round after round (of γ)
+TRIFORCE_ACCEPTED = [6, 4, 6, 1, 6, 5]
+#: TriForce's bottom level (n-gram lookup, 3 drafts a middle forward): how many the middle accepts
+TRIFORCE_BOTTOM = [3, 0, 2, 3, 1]
 
 
 def words(text: str) -> List[str]:
@@ -51,16 +59,25 @@ def words(text: str) -> List[str]:
 class FakeLM:
     name: str = "fake-llm"
     dtype: str = "float32"
-    context_chars: int = 4000
+    context_length: int = 8192  # tokens, as the real `LoadedModel.context_length`
 
-    tokenizer: object = None  # the fake engine itself (it has `decode`)
+    tokenizer: object = None  # the fake engine itself (it has `encode` and `decode`)
 
     def describe(self) -> str:
         return f"{self.name} ({self.dtype}, fake)"
 
+    def encode_chat(self, messages: List[dict]) -> List[int]:
+        """A chat template: each message between a role marker and an end marker, then the
+        assistant's marker (the generation prompt)."""
+        tok = self.tokenizer
+        ids: List[int] = []
+        for m in messages:
+            ids += [tok.token(f"<|{m['role']}|>")] + tok.encode(m["content"]) + [tok.token("<|end|>")]
+        return ids + [tok.token("<|assistant|>")]
+
 
 class FakeEngine:
-    def __init__(self, methods=("ar", "mlx-lm", "redrafter", "apar"), step_s: float = 0.1,
+    def __init__(self, methods=("ar", "mlx-lm", "redrafter", "apar", "triforce"), step_s: float = 0.1,
                  delay: float = 0.0, hold_after=None, answer: str = PLAIN_ANSWER,
                  fail: Optional[Exception] = None, hold_timeout: float = 10.0):
         self.lm = FakeLM(tokenizer=self)
@@ -81,13 +98,18 @@ class FakeEngine:
         self.holds = 0  # holds entered so far
         self._release = threading.Event()
         self._cancelled = threading.Event()
+        self._vocab_lock = threading.Lock()  # the UI thread counts tokens while a stream runs
 
     # -- tokenizer ----------------------------------------------------------------------------
     def token(self, piece: str) -> int:
-        if piece not in self.ids:
-            self.ids[piece] = len(self.vocab)
-            self.vocab.append(piece)
-        return self.ids[piece]
+        with self._vocab_lock:
+            if piece not in self.ids:
+                self.ids[piece] = len(self.vocab)
+                self.vocab.append(piece)
+            return self.ids[piece]
+
+    def encode(self, text: str) -> List[int]:
+        return [self.token(p) for p in words(text)]
 
     def decode(self, tokens: List[int]) -> str:
         return "".join(self.vocab[t] for t in tokens)
@@ -112,11 +134,13 @@ class FakeEngine:
     def _stream(self, messages, method, params) -> Iterator[Event]:
         if self.fail is not None:
             raise self.fail
-        if sum(len(m["content"]) for m in messages) > self.lm.context_chars:
-            raise ContextOverflow(f"prompt is longer than the context window of {self.lm.name}")
-        max_tokens = getattr(params, "max_tokens", 256)
+        prompt = len(self.lm.encode_chat(messages))
+        if prompt >= self.lm.context_length:  # as the engine's check_context
+            raise ContextOverflow(f"prompt has {prompt} tokens but the context window of {self.lm.name} "
+                                  f"is {self.lm.context_length}")
+        max_tokens = min(getattr(params, "max_tokens", 256), self.lm.context_length - prompt)
         options = dict(getattr(params, "options", {}) or {})
-        stats = GenerationStats(method=method, prompt_tokens=sum(len(words(m["content"])) for m in messages))
+        stats = GenerationStats(method=method, prompt_tokens=prompt)
         clock = {"t": 0.05, "forwards": 0}
         finished = False
         try:
@@ -124,6 +148,8 @@ class FakeEngine:
                 steps = self._apar_steps()
             elif method == "redrafter":
                 steps = self._redrafter_steps(int(options.get("beam_length", 5)) - 1)
+            elif method == "triforce":
+                steps = self._triforce_steps(options, stats)
             else:
                 steps = self._plain_steps()
             first = last = None
@@ -208,3 +234,46 @@ class FakeEngine:
                     ended.append(tid)
             live = [t for t in live if t not in ended] + started
             yield forward
+
+    def _triforce_steps(self, options: dict, stats: GenerationStats):
+        """As the engine's strategy: the first token from the prefill, then one full-cache verify a
+        round accepting some of the middle level's γ drafts, its own token after them (the same
+        steps at any temperature: the script decides what is accepted)."""
+        budget = int(options.get("budget", DEFAULT_BUDGET))
+        gamma = int(options.get("gamma", DEFAULT_GAMMA))
+        bottom = str(options.get("bottom", "ngram"))
+        if bottom not in BOTTOMS:
+            raise UserError(f"--bottom is {', '.join(BOTTOMS)}, not {bottom!r}")
+        if budget < 16 or gamma < 1:
+            raise UserError("triforce needs --budget >= 16, --gamma >= 1 and --draft-length >= 1")
+        pieces = words(self.answer)
+        counts = dict(bottom_drafted=0, bottom_accepted=0, top_drafted=0, top_accepted=0, top_forwards=0,
+                      middle_forwards=0)
+        yield [Event("token", 0, None, [self.token(pieces[0])], pieces[0])]
+        i, k = 1, 0
+        while i < len(pieces):
+            written = 0
+            while written < gamma:  # the middle level's forwards, each verifying the bottom's drafts
+                drafted = 3 if bottom == "ngram" else 0
+                accepted = min(TRIFORCE_BOTTOM[counts["middle_forwards"] % len(TRIFORCE_BOTTOM)], drafted)
+                counts["middle_forwards"] += 1
+                counts["bottom_drafted"] += drafted
+                counts["bottom_accepted"] += accepted
+                written += accepted + 1
+            n = min(TRIFORCE_ACCEPTED[k % len(TRIFORCE_ACCEPTED)], gamma, len(pieces) - i - 1)
+            n = max(n, 0)
+            counts["top_forwards"] += 1
+            counts["top_drafted"] += gamma
+            counts["top_accepted"] += n
+            stats.extra.update(
+                budget=min(budget, stats.prompt_tokens), bottom=bottom, gamma=gamma,
+                bottom_acceptance=round(counts["bottom_accepted"] / max(counts["bottom_drafted"], 1), 3),
+                middle_acceptance=round(counts["top_accepted"] / max(counts["top_drafted"], 1), 3),
+                tokens_per_full_forward=round((counts["top_accepted"] + counts["top_forwards"])
+                                              / counts["top_forwards"], 3),
+                middle_forwards=counts["middle_forwards"], retrieval_rebuilds=0)
+            chunk = pieces[i: i + n + 1]
+            yield [Event("token", 0, None, [self.token(p) for p in chunk], "".join(chunk),
+                         drafted=gamma, accepted=n)]
+            i += n + 1
+            k += 1

@@ -1,4 +1,4 @@
-"""Modal screens: the method + settings of a conversation, and the help screen."""
+"""Modal screens: the method + settings of a conversation, the path of a document to attach, help."""
 
 from __future__ import annotations
 
@@ -10,10 +10,13 @@ from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static
 
+from mlx_specdec.decoding.triforce import BOTTOMS, DEFAULT_BUDGET, DEFAULT_GAMMA
+
 from .widgets import METHOD_LABELS
 
-#: (key, label, kind, default, methods it applies to; None = all)
-FIELDS: List[Tuple[str, str, type, object, Optional[Tuple[str, ...]]]] = [
+#: (key, label, kind, default, methods it applies to; None = all). A kind that is a tuple of
+#: strings is a choice among them (a select box).
+FIELDS: List[Tuple[str, str, object, object, Optional[Tuple[str, ...]]]] = [
     ("max_tokens", "max tokens", int, 512, None),
     ("temperature", "temperature (0 = greedy)", float, 0.0, None),
     ("top_p", "top-p", float, 1.0, None),
@@ -22,9 +25,15 @@ FIELDS: List[Tuple[str, str, type, object, Optional[Tuple[str, ...]]]] = [
     ("beam_length", "beam length L", int, 5, ("redrafter",)),
     ("max_threads", "max live threads", int, 32, ("apar",)),
     ("max_depth", "max fork depth (0: none)", int, 2, ("apar",)),
+    ("budget", "budget", int, DEFAULT_BUDGET, ("triforce",)),
+    ("gamma", "gamma γ", int, DEFAULT_GAMMA, ("triforce",)),
+    ("bottom", "bottom level", tuple(BOTTOMS), "ngram" if "ngram" in BOTTOMS else BOTTOMS[0], ("triforce",)),
 ]
 #: settings passed as `GenerationParams.options` (method-specific), per method
-METHOD_OPTIONS = {"redrafter": ("beam_width", "beam_length"), "apar": ("max_threads", "max_depth")}
+METHOD_OPTIONS = {"redrafter": ("beam_width", "beam_length"), "apar": ("max_threads", "max_depth"),
+                  "triforce": ("budget", "gamma", "bottom")}
+#: the smallest retrieval budget the engine's triforce takes
+MIN_BUDGET = 16
 DEFAULT_SETTINGS: Dict[str, object] = {k: d for k, _, _, d, _ in FIELDS}
 
 
@@ -32,7 +41,12 @@ def parse_settings(raw: Dict[str, str]) -> Dict[str, object]:
     """Text fields -> typed settings; ValueError with a readable line on bad input."""
     out: Dict[str, object] = {}
     for key, label, kind, default, _ in FIELDS:
-        text = (raw.get(key) or "").strip()
+        text = str(raw.get(key) or "").strip()
+        if isinstance(kind, tuple):
+            if text not in kind:
+                raise ValueError(f"{label} is {' or '.join(kind)}, not {text!r}")
+            out[key] = text
+            continue
         if not text:
             if default is not None:
                 raise ValueError(f"{label} is empty")
@@ -49,13 +63,15 @@ def parse_settings(raw: Dict[str, str]) -> Dict[str, object]:
         raise ValueError("temperature must be >= 0")
     if not 0 < out["top_p"] <= 1:
         raise ValueError("top-p must be in (0, 1]")
-    for key in ("beam_width", "max_threads"):
+    for key in ("beam_width", "max_threads", "gamma"):
         if out[key] < 1:
             raise ValueError(f"{key.replace('_', ' ')} must be at least 1")
     if out["max_depth"] < 0:
         raise ValueError("max fork depth must be at least 0")
     if out["beam_length"] < 2:
         raise ValueError("beam length must be at least 2")
+    if out["budget"] < MIN_BUDGET:
+        raise ValueError(f"budget must be at least {MIN_BUDGET}")
     return out
 
 
@@ -89,11 +105,15 @@ class SettingsScreen(ModalScreen[Optional[dict]]):
                 yield Select([(f"{METHOD_LABELS.get(m, m)} ({m})", m) for m in self.methods],
                              value=self.method if self.method in self.methods else self.methods[0],
                              allow_blank=False, compact=True, id="method")
-                for key, label, _, _, methods in FIELDS:
+                for key, label, kind, default, methods in FIELDS:
                     note = f" ({'/'.join(methods)})" if methods else ""
                     yield Label(label + note)
                     value = self.settings.get(key)
-                    yield Input("" if value is None else str(value), compact=True, id=f"field-{key}")
+                    if isinstance(kind, tuple):
+                        yield Select([(c, c) for c in kind], value=value if value in kind else default,
+                                     allow_blank=False, compact=True, id=f"field-{key}")
+                    else:
+                        yield Input("" if value is None else str(value), compact=True, id=f"field-{key}")
             with Horizontal(id="settings-buttons"):
                 yield Button("Cancel", id="cancel", compact=True)
                 yield Button("Save", id="save", variant="primary", compact=True)
@@ -111,7 +131,7 @@ class SettingsScreen(ModalScreen[Optional[dict]]):
         self.dismiss(None)
 
     def action_save(self) -> None:
-        raw = {key: self.query_one(f"#field-{key}", Input).value for key, *_ in FIELDS}
+        raw = {key: self.query_one(f"#field-{key}").value for key, *_ in FIELDS}
         try:
             settings = parse_settings(raw)
         except ValueError as exc:
@@ -120,11 +140,38 @@ class SettingsScreen(ModalScreen[Optional[dict]]):
         self.dismiss({"method": self.query_one("#method", Select).value, "settings": settings})
 
 
+class AttachScreen(ModalScreen[Optional[str]]):
+    """A one-line prompt for the path of a document to attach. Returns the path, or None."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+    DEFAULT_CSS = """
+    AttachScreen { align: center middle; }
+    #attach-box { width: 64; max-width: 100%; height: auto; border: round $accent; background: $surface;
+                  padding: 0 1; }
+    #attach-path { background: $boost; }
+    #attach-note { color: $text-muted; }
+    """
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="attach-box") as box:
+            box.border_title = "Attach a text file (Esc cancels)"
+            yield Input(placeholder="path of a UTF-8 text file, e.g. ~/notes.txt", compact=True, id="attach-path")
+            yield Static("It goes into the conversation with your next message.", id="attach-note")
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        self.dismiss(event.value.strip() or None)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
 KEYS = [
     ("Enter", "send the question"),
     ("Esc", "stop the answer now (the text so far is kept)"),
     ("Ctrl+N", "new conversation"),
     ("Ctrl+O", "method and settings of this conversation"),
+    ("Ctrl+L", "attach a text file (or type /attach PATH; /detach removes it)"),
     ("Ctrl+S", "export this conversation to Markdown"),
     ("Ctrl+B", "show / hide the conversation list"),
     ("Ctrl+T", "light / dark theme"),
@@ -137,10 +184,17 @@ HELP_TEXT = """\
 tokens with a small head and verifies them in one forward: text from accepted drafts is \
 [$text-success underline]green and underlined[/]. [i]APAR[/i] forks a thread per paragraph: \
 each live thread gets a pane, nested under the thread that forked it, and closes when it \
-finishes; the answer assembles above.
+finishes; the answer assembles above. [i]TriForce[/i] is for long prompts such as an \
+attached document: the model over a small retrieval cache (budget: keys per head) drafts γ \
+tokens for one full-cache verify, helped by a cheaper drafter below it (the bottom level: \
+n-gram lookup by default).
 
-[b]Status bar.[/b] tokens/s, tokens per forward, draft acceptance, and the speed-up over this \
-model's plain speed measured on this machine (once, then cached).
+[b]Documents.[/b] [i]/attach PATH[/i] or Ctrl+L attaches a text file (its tokens shown above the \
+input); it goes into your next message, ahead of the question, and stays in the conversation.
+
+[b]Status bar.[/b] tokens/s, tokens per forward, draft acceptance (TriForce: its bottom and \
+middle levels'), and the speed-up over this model's plain speed measured on this machine (once, \
+then cached).
 
 [b]Saved.[/b] Conversations are written to an SQLite file in your user data directory as the \
 answer streams: a partial answer survives even a killed process."""

@@ -39,7 +39,8 @@ CREATE TABLE IF NOT EXISTS messages (
     method          TEXT,
     marks           TEXT NOT NULL DEFAULT '[]',  -- JSON [[start, end], ...]: text from accepted drafts
     threads         TEXT NOT NULL DEFAULT '{}',  -- JSON {thread_id: {parent, text, done}} (forked answers)
-    stats           TEXT NOT NULL DEFAULT '{}',  -- JSON: the figures shown under the answer
+    stats           TEXT NOT NULL DEFAULT '{}',  -- JSON: the figures shown under the answer; for a user
+                                                 -- message with a document: {document: {name, tokens, question}}
     created         REAL NOT NULL,
     updated         REAL NOT NULL
 );
@@ -143,11 +144,12 @@ class Store:
 
     # -- messages ---------------------------------------------------------------------------
     def add_message(self, conversation_id: int, role: str, content: str = "", status: str = "done",
-                    method: Optional[str] = None) -> int:
+                    method: Optional[str] = None, stats: Optional[dict] = None) -> int:
         now = time.time()
         cur = self.db.execute(
-            "INSERT INTO messages(conversation_id, role, content, status, method, created, updated) "
-            "VALUES (?,?,?,?,?,?,?)", (conversation_id, role, content, status, method, now, now))
+            "INSERT INTO messages(conversation_id, role, content, status, method, stats, created, updated) "
+            "VALUES (?,?,?,?,?,?,?,?)",
+            (conversation_id, role, content, status, method, json.dumps(stats or {}), now, now))
         self.db.execute("UPDATE conversations SET updated=? WHERE id=?", (now, conversation_id))
         return cur.lastrowid
 

@@ -261,6 +261,16 @@ class StreamState:
     def acceptance(self) -> Optional[float]:
         return self.accepted / self.drafted if self.drafted else None
 
+    def triforce_levels(self) -> Optional[Tuple[float, float, float]]:
+        """TriForce's figures from the answer's stats (`stats.extra`): (bottom level acceptance,
+        middle level acceptance, tokens per full-cache forward); None before them or for another
+        method."""
+        extra = getattr(self.stats, "extra", None) or {}
+        if "middle_acceptance" not in extra:
+            return None
+        return (float(extra.get("bottom_acceptance", 0.0)), float(extra["middle_acceptance"]),
+                float(extra.get("tokens_per_full_forward", self.tokens_per_forward)))
+
     @property
     def speedup(self) -> Optional[float]:
         tps = self.decode_tps
@@ -269,15 +279,29 @@ class StreamState:
         return tps / self.baseline_tps
 
     def figures(self) -> Dict[str, object]:
-        return {"tokens": self.tokens, "decode_tps": round(self.decode_tps, 2),
-                "tokens_per_forward": round(self.tokens_per_forward, 2),
-                "drafted": self.drafted, "accepted": self.accepted,
-                "speedup": round(self.speedup, 2) if self.speedup else None,
-                "threads": len(self.threads) - 1 if self.forked else 0}
+        out = {"tokens": self.tokens, "decode_tps": round(self.decode_tps, 2),
+               "tokens_per_forward": round(self.tokens_per_forward, 2),
+               "drafted": self.drafted, "accepted": self.accepted,
+               "speedup": round(self.speedup, 2) if self.speedup else None,
+               "threads": len(self.threads) - 1 if self.forked else 0}
+        extra = getattr(self.stats, "extra", None) or {}
+        if "prefix_reused" in extra:  # prompt tokens the engine did not prefill again (the last turn's)
+            out["prefix_reused"] = extra["prefix_reused"]
+        if self.triforce_levels() is not None:
+            out.update({k: extra[k] for k in ("bottom_acceptance", "middle_acceptance", "tokens_per_full_forward",
+                                              "budget", "gamma", "bottom") if k in extra})
+        return out
 
     def summary_line(self) -> str:
-        parts = [f"{self.tokens} tok", f"{self.decode_tps:.1f} tok/s", f"{self.tokens_per_forward:.2f} tok/fwd"]
-        if self.drafted:
+        levels = self.triforce_levels()
+        per_forward = (f"{self.tokens_per_forward:.2f} tok/fwd" if levels is None
+                       else f"{levels[2]:.2f} tok/full fwd")  # TriForce counts full-cache verifies
+        parts = [f"{self.tokens} tok", f"{self.decode_tps:.1f} tok/s", per_forward]
+        if levels is not None:
+            parts.append(f"acc bottom {levels[0]:.0%} · middle {levels[1]:.0%}")
+            if "budget" in self.stats.extra:
+                parts.append(f"budget {self.stats.extra['budget']}")
+        elif self.drafted:
             parts.append(f"accepted {self.accepted}/{self.drafted}")
         if self.forked:
             parts.append(f"{len(self.threads) - 1} forked threads")

@@ -1,4 +1,5 @@
-"""The chat screen's widgets: messages, live thread panes, the status bar, the conversation list."""
+"""The chat screen's widgets: messages, live thread panes, the status bar, the conversation list,
+the attached document's chip and the chat's one-line notices."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from typing import Dict, List, Optional
 
 from textual.containers import VerticalScroll
 from textual.content import Content
+from textual.message import Message
 from textual.widgets import Label, ListItem, ListView, Static
 
 from .stream import StreamState, ThreadView
@@ -13,7 +15,8 @@ from .stream import StreamState, ThreadView
 #: how text that came from accepted drafts is shown: the theme's success colour, underlined (an
 #: underline reads on light and dark themes and without colour)
 ACCEPTED_STYLE = "$text-success underline"
-METHOD_LABELS = {"ar": "plain", "mlx-lm": "mlx-lm", "redrafter": "ReDrafter", "apar": "APAR"}
+METHOD_LABELS = {"ar": "plain", "mlx-lm": "mlx-lm", "redrafter": "ReDrafter", "apar": "APAR",
+                 "triforce": "TriForce"}
 
 
 def method_label(method: str, settings: Optional[dict] = None) -> str:
@@ -23,6 +26,9 @@ def method_label(method: str, settings: Optional[dict] = None) -> str:
         label += f" W{settings.get('beam_width', 2)} L{settings.get('beam_length', 5)}"
     elif method == "apar":
         label += f" ≤{settings.get('max_threads', 32)} threads, depth ≤{settings.get('max_depth', 2)}"
+    elif method == "triforce":
+        label += (f" budget {settings.get('budget', 512)} γ{settings.get('gamma', 6)}"
+                  f" {settings.get('bottom', 'ngram')}")
     temp = float(settings.get("temperature", 0.0) or 0.0)
     label += " greedy" if temp <= 0 else f" T={temp:g}"
     return label
@@ -63,8 +69,11 @@ class MessageView(Static):
 
     def __init__(self, role: str, text: str = "", *, message_id: Optional[int] = None,
                  method: str = "", status: str = "done", segments: Optional[List[List]] = None,
-                 summary: str = ""):
+                 summary: str = "", document: Optional[dict] = None):
         super().__init__(classes=f"-{role}")
+        #: a user message that carries a document: {"name", "tokens", "question"} (the stored
+        #: content is the document + the question; the view shows the chip and the question)
+        self.document = document
         self.role = role
         self.message_id = message_id
         self.method = method
@@ -90,10 +99,15 @@ class MessageView(Static):
     def refresh_content(self) -> None:
         if self.role == "user":
             head = Content.assemble(("You", "bold $text-primary"))
+            if self.document:
+                chip = f" ▤ {self.document['name']} · {self.document['tokens']:,} tokens "
+                head = head.append(Content.assemble("  ", (chip, "$text-accent on $panel")))
         else:
             head = Content.assemble(("Assistant", "bold $text-secondary"),
                                     (f" · {METHOD_LABELS.get(self.method, self.method)}", "$text-muted"))
         body = segments_content(self.segments)
+        if self.role == "user" and self.document:
+            body = Content(str(self.document.get("question", "")))
         if self.role == "assistant" and self.status == "streaming":
             body = body.append(Content.assemble(("▍", "$text-accent")))
         parts = [head, "\n", body]
@@ -102,6 +116,55 @@ class MessageView(Static):
         if tail and self.role == "assistant":
             parts += ["\n", (f"[{tail}]", "italic $text-muted")]
         self.update(Content.assemble(*parts))
+
+
+class Notice(Static):
+    """One line in the chat that is not a message (a file that cannot be attached, ...); shown,
+    never saved."""
+
+    DEFAULT_CSS = """
+    Notice { height: auto; margin: 0 0 1 0; padding: 0 1; color: $text-error; }
+    """
+
+    def __init__(self, text: str):
+        super().__init__(Content(text))
+        self.text = text
+
+
+class DocumentChip(Static):
+    """The attached document, above the input: its name and token count. A click removes it."""
+
+    DEFAULT_CSS = """
+    DocumentChip { height: 1; width: auto; max-width: 100%; display: none; margin: 0 1;
+                   padding: 0 1; background: $accent-muted; color: $text; }
+    DocumentChip.-attached { display: block; }
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__("", **kwargs)
+        self.name_shown: Optional[str] = None
+        self.tokens: Optional[int] = None
+
+    class Removed(Message):
+        """The user clicked the chip: detach the document."""
+
+    def on_click(self) -> None:
+        if self.name_shown is not None:
+            self.post_message(self.Removed())
+
+    def show(self, name: Optional[str], tokens: Optional[int] = None) -> None:
+        self.name_shown, self.tokens = name, tokens
+        if name is None:
+            self.remove_class("-attached")
+            self.update("")
+            return
+        self.update(Content.assemble(("▤ ", "bold"), (name, "bold"), f" · {tokens:,} tokens",
+                                     ("  ✕ /detach", "$text-muted")))
+        self.add_class("-attached")
+
+    @property
+    def text(self) -> str:
+        return str(self.render()) if self.name_shown else ""
 
 
 class ChatLog(VerticalScroll):
@@ -225,21 +288,44 @@ class StatusBar(Static):
         self.update(Content(text))
 
     def show_state(self, state: StreamState, method: str, baseline: Optional[float], phase: str) -> None:
-        parts = [f"{METHOD_LABELS.get(method, method)} {phase}", f"{state.decode_tps:.1f} tok/s",
-                 f"{state.tokens_per_forward:.2f} tok/fwd"]
-        acceptance = state.acceptance
-        if acceptance is not None:
-            parts.append(f"acc {acceptance:.0%}")
-        elif method == "redrafter":
-            parts.append("acc –")
+        """The figures, shortened where the line would not fit the bar: the speed-up without the
+        plain speed first, then TriForce's level names, then no speed-up (the line under the
+        answer keeps it)."""
+        width = self.size.width  # the content width (inside the padding)
+        for short in (0, 1, 2, 3):
+            text = " │ ".join(self._parts(state, method, baseline, phase, short))
+            if not width or len(text) <= width:
+                break
+        self.update(Content(text))
+
+    @staticmethod
+    def _parts(state: StreamState, method: str, baseline: Optional[float], phase: str, short: int) -> List[str]:
+        parts = [f"{METHOD_LABELS.get(method, method)} {phase}", f"{state.decode_tps:.1f} tok/s"]
+        levels = state.triforce_levels()
+        if method == "triforce" or levels is not None:
+            # TriForce: each forward counted is a full-cache verify; acceptance at both levels
+            # (the bottom level's only once the answer's stats are in)
+            bottom, middle, per_full = levels or (None, state.acceptance, state.tokens_per_forward)
+            parts.append(f"{per_full:.2f} tok/full fwd")
+            names = ("bottom", "middle") if short < 2 else ("bot", "mid")
+            shown = [f"{'–' if v is None else f'{v:.0%}'}" for v in (bottom, middle)]
+            parts.append(f"acc {names[0]} {shown[0]} · {names[1]} {shown[1]}")
+        else:
+            parts.append(f"{state.tokens_per_forward:.2f} tok/fwd")
+            acceptance = state.acceptance
+            if acceptance is not None:
+                parts.append(f"acc {acceptance:.0%}")
+            elif method == "redrafter":
+                parts.append("acc –")
         speedup = state.speedup
         if speedup is not None:
-            parts.append(f"×{speedup:.2f} vs plain {baseline:.1f}")
+            if short < 3:
+                parts.append(f"×{speedup:.2f} vs plain {baseline:.1f}" if not short else f"×{speedup:.2f}")
         elif baseline:
             parts.append(f"plain {baseline:.1f} tok/s")
         if state.forked:
             parts.append(f"threads {len(state.live_threads())}/{len(state.threads) - 1}")
-        self.update(Content(" │ ".join(parts)))
+        return parts
 
 
 class ConversationItem(ListItem):

@@ -19,6 +19,7 @@ from typing import Callable, List, Optional
 from textual.css.query import NoMatches
 from textual.widgets import ProgressBar, Static
 
+from .documents import compose
 from .hints import error_line, hint_for
 from .messages import EngineReady, GenEvent, GenFinished, Generation, LoadFailed, LoadProgress
 from .screens import METHOD_OPTIONS
@@ -47,8 +48,10 @@ def engine_decoder(engine) -> Optional[Callable[[List[int]], str]]:
 
 
 def real_loader(model: str = "default", dtype: str = "auto", drafter: Optional[str] = "auto",
-                apar_adapter: Optional[str] = "auto") -> Loader:
-    """Load the engine in stages (fetch/convert the default model once, then load weights)."""
+                apar_adapter: Optional[str] = "auto", draft_model: Optional[str] = None) -> Loader:
+    """Load the engine in stages (fetch/convert the default model once, then load weights). The
+    engine keeps the last prompt's KV cache (`reuse_prefix`): a chat's next turn, which starts with
+    every earlier message unchanged (an attached document included), prefills only what is new."""
 
     def load(progress: Callable[[str, int, int], None]):
         from mlx_specdec.engine import Engine
@@ -61,7 +64,8 @@ def real_loader(model: str = "default", dtype: str = "auto", drafter: Optional[s
                 progress("downloading and converting the default model (once, 93 MB)", 0, 4)
             ensure_default_model(variant, quiet=True)
         progress(f"loading {model} weights", 1, 4)
-        return Engine.load(model, dtype=dtype, drafter=drafter, apar_adapter=apar_adapter)
+        return Engine.load(model, dtype=dtype, drafter=drafter, apar_adapter=apar_adapter,
+                           draft_model=draft_model, reuse_prefix=True)
 
     return load
 
@@ -96,9 +100,12 @@ class LoadingMixin:
 
     def on_load_progress(self, message: LoadProgress) -> None:
         self.load_stage = message.stage
-        self.query_one("#load-stage", Static).update(f"{message.stage}…")
-        self.query_one("#load-bar", ProgressBar).update(total=message.total, progress=message.step)
-        self.status.show_text(f"{self.model_label}: {message.stage}…")
+        try:
+            self.query_one("#load-stage", Static).update(f"{message.stage}…")
+            self.query_one("#load-bar", ProgressBar).update(total=message.total, progress=message.step)
+            self.status.show_text(f"{self.model_label}: {message.stage}…")
+        except NoMatches:  # the app closed while the model was loading
+            pass
 
     def on_engine_ready(self, message: EngineReady) -> None:
         self.engine = message.engine
@@ -127,18 +134,26 @@ class GenerationMixin:
     """Writes one answer at a time: starts the worker, shows and saves its events, finishes or stops it."""
 
     # -- asking -----------------------------------------------------------------------------
-    def ask(self, text: str) -> None:
+    def history(self, conversation_id: int) -> List[dict]:
+        """The conversation as the engine gets it: its messages in order, as stored (a document a
+        message carried stays in it)."""
+        return [{"role": m.role, "content": m.content} for m in self.store.messages(conversation_id)
+                if m.content and m.role in ("user", "assistant")]
+
+    def ask(self, text: str, document=None) -> None:
+        """Send `text`; with a `tui.documents.Document`, the message is the document + the question."""
         conv = self.store.conversation(self.conversation.id)
-        history = [{"role": m.role, "content": m.content} for m in self.store.messages(conv.id)
-                   if m.content and m.role in ("user", "assistant")]
+        history = self.history(conv.id)
         if not history:
             title = text.splitlines()[0][:48]
             self.store.update_conversation(conv.id, title=title)
             conv.title = title
             self.conversation = conv
-        self.store.add_message(conv.id, "user", text)
-        self.chat.add(MessageView("user", text))
-        history.append({"role": "user", "content": text})
+        content = compose(document, text)
+        shown = {"name": document.name, "tokens": document.tokens, "question": text} if document else None
+        self.store.add_message(conv.id, "user", content, stats={"document": shown} if shown else None)
+        self.chat.add(MessageView("user", content, document=shown))
+        history.append({"role": "user", "content": content})
         message_id = self.store.add_message(conv.id, "assistant", "", status="streaming", method=conv.method)
         view = self.chat.add(MessageView("assistant", message_id=message_id, method=conv.method,
                                          status="streaming", segments=[]))
