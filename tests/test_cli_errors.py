@@ -116,8 +116,17 @@ def test_triforce_from_the_command_line(tiny_dir):
                  "--method", "triforce", "--budget", "16", "--gamma", "2", "--bottom", "none")
     assert result.returncode == 0, result.stderr
     assert "[triforce]" in result.stderr
-    assert_one_line_error(cli("generate", "-p", "hi", "--method", "triforce", "--bottom", "model"),
-                          "--bottom is ngram or none")
+    assert_one_line_error(cli("generate", "-p", "hi", "--method", "triforce", "--bottom", "oracle"),
+                          "--bottom is ngram or none or model or redrafter")
+    assert_one_line_error(cli("generate", "-m", str(tiny_dir), "-p", "w5 w6", "--raw", "--method", "triforce",
+                              "--bottom", "model"), "--draft-model")
+    assert_one_line_error(cli("generate", "-p", "hi", "--method", "triforce", "--rebuild-below", "1.5"),
+                          "--rebuild-below takes a number between 0 and 1")
+    # the model as its own draft model, over a StreamingLLM window
+    result = cli("generate", "-m", str(tiny_dir), "-p", "w5 w6 w7 w5 w6", "--raw", "--max-tokens", "4",
+                 "--method", "triforce", "--budget", "16", "--bottom", "model", "--draft-model", str(tiny_dir))
+    assert result.returncode == 0, result.stderr
+    assert "[triforce]" in result.stderr
 
 
 def test_bad_prompt_sources(tmp_path):

@@ -90,14 +90,17 @@ class QueryRecorder:
 
 
 def chunk_scores(query: mx.array, keys: mx.array, reduce: str = "mean") -> mx.array:
-    """query (B, Hq, Dh): the last prompt token's post-RoPE query; keys (B, Hkv, n*CHUNK, Dh).
-    Returns (B, Hkv, n): each chunk's mean key against the query heads of its KV group, reduced
-    over the group (mean or max; no 1/sqrt(d) or softmax: only the order matters)."""
-    B, Hq, Dh = query.shape
+    """query (B, Hq, Dh) or (B, Hq, K, Dh): post-RoPE queries of the last prompt token (or of the
+    last K); keys (B, Hkv, n*CHUNK, Dh). Returns (B, Hkv, n): each chunk's mean key against the
+    query heads of its KV group (and the K tokens), reduced by their mean or max (no 1/sqrt(d)
+    or softmax: only the order matters)."""
+    if query.ndim == 3:
+        query = query[:, :, None]
+    B, Hq, K, Dh = query.shape
     Hkv = keys.shape[1]
     means = keys.reshape(B, Hkv, -1, CHUNK, Dh).astype(mx.float32).mean(axis=3)  # (B, Hkv, n, Dh)
-    grouped = query.astype(mx.float32).reshape(B, Hkv, Hq // Hkv, Dh)  # heads j*G + g share KV head j
-    scores = grouped @ means.swapaxes(-1, -2)  # (B, Hkv, G, n)
+    grouped = query.astype(mx.float32).reshape(B, Hkv, (Hq // Hkv) * K, Dh)  # heads j*G + g share KV head j
+    scores = grouped @ means.swapaxes(-1, -2)  # (B, Hkv, G*K, n)
     if reduce == "max":
         return scores.max(axis=2)
     if reduce == "mean":
@@ -142,10 +145,11 @@ class RetrievalKVCache(LayeredCache):
 
     @classmethod
     def build(cls, full: ContiguousKVCache, queries: List[mx.array], budget: int,
-              reduce: str = "mean", prompt_length: Optional[int] = None, query_index: int = -1,
+              reduce: str = "mean", prompt_length: Optional[int] = None, query_index=-1,
               policy: str = "retrieval") -> "RetrievalKVCache":
         """full: the cache of the prompt (and of the tokens generated since, when rebuilding);
-        queries[i]: layer i's post-RoPE queries, (B, Hq, L, Dh), of which `query_index` scores.
+        queries[i]: layer i's post-RoPE queries, (B, Hq, L, Dh), of which `query_index` (an
+        index, or a slice of several tokens whose scores are averaged) scores.
         Chunks are chosen among the first `prompt_length` positions (default: all); every later
         one (the generated text) is kept after them. policy "streaming" keeps the sink and the
         most recent prompt positions instead (StreamingLLM's choice, for comparison)."""

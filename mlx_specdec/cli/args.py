@@ -97,6 +97,8 @@ METHOD_SETTINGS = [
      "the middle level's cache: retrieval (the prompt's best chunks) or streaming (sink + most recent "
      "prompt tokens, StreamingLLM's choice, for comparison) (default: retrieval)",
      lambda text, flag: _choice(text, flag, ("retrieval", "streaming"))),
+    ("triforce", "score_window", "--score-window",
+     "the last prompt tokens whose queries choose the retrieved chunks (default: 16)", _positive_int),
     ("triforce", "rebuild_stride", "--rebuild-stride",
      "rebuild the retrieval cache every N generated tokens from the latest token's queries; 0 = never "
      "(default: 0)", _nonnegative_int),

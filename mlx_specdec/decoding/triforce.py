@@ -26,7 +26,8 @@ keys and values from the full cache (as the reference code copies them), so both
 the same text, and the bottom's text is cut back to what the top level committed. The
 retrieval cache is built from the last prompt token's queries, and rebuilt (`--rebuild-stride`,
 `--rebuild-below`) from the last committed token's queries over the prompt, with the generated
-text kept whole (the reference code never rebuilds).
+text kept whole (the reference code never rebuilds). The first build scores with the queries of
+the last `--score-window` prompt tokens, the question rather than the chat template's last token.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ from .triforce_bottom import BOTTOMS, make_bottom
 DEFAULT_BUDGET = 512  # retrieved prompt keys per KV head
 DEFAULT_GAMMA = 6  # tokens the middle level collects per top verify (γ2)
 DEFAULT_DRAFT = 3  # tokens the bottom level drafts per middle verify (γ1)
+DEFAULT_SCORE_WINDOW = 16  # last prompt tokens whose queries score the chunks (the paper: 1; measured:
+# on 2K pass-key prompts 16 found the key at every depth where 1 and 64 did not,
+# benchmarks/results/issue16_needle_scoring.md)
 ROLLING_ROUNDS = 8  # rounds in the rolling middle acceptance that `rebuild_below` watches
 MIDDLE_CACHES = ("retrieval", "streaming")
 
@@ -84,12 +88,13 @@ def _settings(ctx: DecodeContext) -> dict:
              draft_length=int(options.get("draft_length", DEFAULT_DRAFT)), bottom=str(options.get("bottom", "ngram")),
              middle_cache=str(options.get("middle_cache", "retrieval")),
              rebuild_stride=int(options.get("rebuild_stride", 0)),
-             rebuild_below=float(options.get("rebuild_below", 0.0)))
+             rebuild_below=float(options.get("rebuild_below", 0.0)),
+             score_window=int(options.get("score_window", DEFAULT_SCORE_WINDOW)))
     if s["bottom"] not in BOTTOMS:
         raise UserError(f"--bottom is {', '.join(BOTTOMS)}, not {s['bottom']!r}")
     if s["middle_cache"] not in MIDDLE_CACHES:
         raise UserError(f"--middle-cache is {' or '.join(MIDDLE_CACHES)}, not {s['middle_cache']!r}")
-    if s["budget"] < 16 or s["gamma"] < 1 or s["draft_length"] < 1:
+    if s["budget"] < 16 or s["gamma"] < 1 or s["draft_length"] < 1 or s["score_window"] < 1:
         raise UserError("triforce needs --budget >= 16, --gamma >= 1 and --draft-length >= 1")
     if s["rebuild_stride"] < 0 or not 0.0 <= s["rebuild_below"] <= 1.0:
         raise UserError("triforce needs --rebuild-stride >= 0 and --rebuild-below between 0 and 1")
@@ -101,9 +106,10 @@ def triforce(ctx: DecodeContext) -> Iterator[Step]:
     model, stats, prompt = ctx.lm.model, ctx.stats, ctx.prompt
     gamma = s["gamma"]
 
-    full = prefilled_cache(ctx, prompt[:-1])  # resumed from the last turn's prompt in a chat
-    recorder = QueryRecorder(full)  # the last prompt token's queries score the prompt's chunks
-    first = forward(model, mx.array(prompt[-1:])[None], recorder, logits_for="last")
+    window = min(s["score_window"], len(prompt))
+    full = prefilled_cache(ctx, prompt[:-window])  # resumed from the last turn's prompt in a chat
+    recorder = QueryRecorder(full)  # the last prompt tokens' queries score the prompt's chunks
+    first = forward(model, mx.array(prompt[-window:])[None], recorder, logits_for="last")
     logits = first.logits[:, -1]  # (1, V)
     token = int(ctx.sampler(logits - mx.logsumexp(logits, keepdims=True)).item())  # host sync
     hidden = first.hidden[:, -1]  # (1, D): the state that wrote `token` (the ReDrafter head reads it)
@@ -114,7 +120,7 @@ def triforce(ctx: DecodeContext) -> Iterator[Step]:
         return RetrievalKVCache.build(full, queries, s["budget"], prompt_length=len(prompt),
                                       query_index=query_index, policy=s["middle_cache"])
 
-    middle_cache = build(recorder.queries())
+    middle_cache = build(recorder.queries(), query_index=slice(None))
     middle, top = Level(model, middle_cache, ctx.params), Level(model, full, ctx.params)
     bottom.begin(prompt)
     counts = dict(middle_forwards=0, bottom_drafted=0, bottom_accepted=0, top_drafted=0, top_accepted=0,
@@ -195,4 +201,4 @@ def triforce(ctx: DecodeContext) -> Iterator[Step]:
             yield Step(drafts[:n] + [token], drafted=len(drafts), accepted=n)
     finally:
         mx.eval(full.state)
-        keep_prefix(ctx, full, prompt[:-1])
+        keep_prefix(ctx, full, prompt[:-1])  # the full cache holds the whole prompt
