@@ -97,10 +97,11 @@ class MethodConfig:
 
 def load_prompts(path: Optional[Path], limit: Optional[int] = None,
                  categories: Optional[List[str]] = None, shapes: Optional[List[str]] = None,
-                 context: Optional[str] = None) -> List[Prompt]:
+                 context: Optional[str] = None, ids: Optional[List[str]] = None) -> List[Prompt]:
     """FastChat question files (JSON lines with question_id, category, turns) or plain text.
     `context` (2k, 4k, 6k, all, or a number of tokens) keeps one size set of a long-prompt file
-    (default: benchmarks/long_prompts.jsonl); then categories/shapes, then limit."""
+    (default: benchmarks/long_prompts.jsonl); then ids (prompt ids, in the file's order), then
+    categories/shapes, then limit."""
     path = Path(path) if path else (LONG_PROMPTS if context else DEFAULT_PROMPTS)
     if not path.exists():
         raise UserError(f"prompt file {path} does not exist")
@@ -123,6 +124,11 @@ def load_prompts(path: Optional[Path], limit: Optional[int] = None,
             prompts.append(Prompt(str(number), "-", line))
     if context:
         prompts = select_context(prompts, context, path)
+    if ids:
+        unknown = sorted(set(ids) - {p.id for p in prompts})
+        if unknown:
+            raise UserError(f"no prompt with id {', '.join(unknown)} in {path}")
+        prompts = [p for p in prompts if p.id in ids]
     if categories or shapes:  # a prompt is kept if its category or its shape is asked for
         prompts = [p for p in prompts if p.category in (categories or []) or p.shape in (shapes or [])]
     if limit:

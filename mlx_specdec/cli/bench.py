@@ -30,6 +30,7 @@ def add_parser(sub) -> None:
                         "number of tokens (the nearest set); question, summary and needle (pass key) "
                         "prompts, so --categories needle works. A prompt that does not fit the window "
                         "with --max-tokens is refused, not cut")
+    p.add_argument("--ids", default=None, help="comma list of prompt ids to keep (e.g. 6k-question-1,6k-needle-50)")
     p.add_argument("--limit", type=int, default=None, help="use the first K prompts")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per answer (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=1,
@@ -54,7 +55,7 @@ def cmd_bench(args) -> int:
     prompts = load_prompts(args.prompts, limit=args.limit,
                            categories=_comma_list(args.categories) if args.categories else None,
                            shapes=_comma_list(args.shapes) if args.shapes else None,
-                           context=args.context_length)
+                           context=args.context_length, ids=_comma_list(args.ids) if args.ids else None)
     if args.format not in ("md", "json", "csv"):
         raise UserError(f"unknown format {args.format!r} (choose md, json or csv)")
     if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg", ".pdf"):
