@@ -39,6 +39,7 @@ import mlx.core as mx
 
 from ..acceptance import greedy_accept, sampling_accept, target_probs
 from ..cache import QueryRecorder, RetrievalKVCache
+from ..cache.retrieval import attention_recall
 from ..errors import UserError
 from ..model.forward import forward
 from .base import DecodeContext, Step, keep_prefix, prefilled_cache
@@ -121,6 +122,9 @@ def triforce(ctx: DecodeContext) -> Iterator[Step]:
                                       query_index=query_index, policy=s["middle_cache"])
 
     middle_cache = build(recorder.queries(), query_index=slice(None))
+    # how much of the last prompt token's attention the kept positions hold (one softmax over
+    # the prompt per layer, once): what a budget sees
+    recall = attention_recall(recorder.queries(), full, middle_cache.positions)
     middle, top = Level(model, middle_cache, ctx.params), Level(model, full, ctx.params)
     bottom.begin(prompt)
     counts = dict(middle_forwards=0, bottom_drafted=0, bottom_accepted=0, top_drafted=0, top_accepted=0,
@@ -136,7 +140,7 @@ def triforce(ctx: DecodeContext) -> Iterator[Step]:
             bottom_acceptance=round(c["bottom_accepted"] / max(c["bottom_drafted"], 1), 3),
             middle_acceptance=round(c["top_accepted"] / max(c["top_drafted"], 1), 3),
             tokens_per_full_forward=round((c["top_accepted"] + c["top_forwards"]) / max(c["top_forwards"], 1), 3),
-            middle_forwards=c["middle_forwards"], retrieval_rebuilds=c["rebuilds"])
+            middle_forwards=c["middle_forwards"], retrieval_rebuilds=c["rebuilds"], attention_recall=round(recall, 3))
 
     def middle_round(start: int, hidden: mx.array):
         """γ2 tokens after `start` written by the target over the retrieval cache, with the
