@@ -44,7 +44,7 @@ ROW_COLUMNS = [
     "accepted", "peak_memory_mb", "identical_to_ar", "compression", "acceptance_per_position",
     "threads", "max_cached_tokens", "flat_max_cached_tokens", "attended_tokens_mean",
     "flat_attended_tokens_mean", "answer_nll", "needle_found", "bottom_acceptance", "middle_acceptance",
-    "attention_recall", "retrieval_rebuilds",
+    "attention_recall", "retrieval_rebuilds", "middle_forwards",
 ]
 SUMMARY_COLUMNS = [
     "method", "config", "prompts", "new_tokens", "decode_tps", "decode_tps_sd", "speedup_vs_ar",
@@ -70,7 +70,7 @@ EXTRA_FIELDS = ["steps", "compression", "acceptance_per_position", "tree_tokens_
                 "attended_tokens_mean", "answer_tokens", "control_tokens", "flat_decode_steps",
                 "flat_max_cached_tokens", "flat_attended_tokens_mean", "dropped_steps",
                 # triforce: each level's acceptance, what the budget sees, rebuilds
-                "bottom_acceptance", "middle_acceptance", "attention_recall", "retrieval_rebuilds"]
+                "bottom_acceptance", "middle_acceptance", "attention_recall", "retrieval_rebuilds", "middle_forwards"]
 TRIFORCE_FIELDS = ("bottom_acceptance", "middle_acceptance", "attention_recall", "retrieval_rebuilds")
 
 
