@@ -21,21 +21,10 @@ from tui.store import Store  # noqa: E402
 from tui.stream import StreamState  # noqa: E402
 from tui.widgets import MessageView, Notice  # noqa: E402
 
+from test_tui import make_app, until  # noqa: E402  (the same app and wait helpers)
+
 DOC = ("The lighthouse keeper on Marrow Island is Edwin Calloway.\n"
        "He has kept the light for thirty-one years; his dog is called Biscuit.\n")
-
-
-def make_app(tmp_path, engine=None, **kwargs):
-    kwargs.setdefault("baseline", 10.0)
-    return ChatApp(engine=engine or FakeEngine(), db_path=tmp_path / "chats.sqlite3", home=tmp_path, **kwargs)
-
-
-async def until(pilot, condition, timeout: float = 5.0):
-    for _ in range(int(timeout / 0.01)):
-        if condition():
-            return
-        await pilot.pause(0.01)
-    raise AssertionError("condition not reached")
 
 
 async def type_line(pilot, text: str):
