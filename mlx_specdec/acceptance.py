@@ -75,7 +75,8 @@ def greedy_accept(beams: mx.array, beam_logits: mx.array) -> Accepted:
     return Accepted(beam, num_accepted, next_token)
 
 
-def _categorical(probs: mx.array, key: Optional[mx.array]) -> mx.array:
+def sample_probs(probs: mx.array, key: Optional[mx.array] = None) -> mx.array:
+    """Draw from a distribution given as probabilities (..., V) (zeros are never drawn)."""
     return mx.random.categorical(mx.log(mx.maximum(probs, _TINY)), key=key)
 
 
@@ -117,12 +118,12 @@ def sampling_accept(beams: mx.array, target: mx.array, draft: mx.array,
             accepted_here = accepted_here | accept
         # no candidate accepted at this depth: the next token comes from the residual
         rejected_all = ~stopped & ~accepted_here
-        resampled = _categorical(residual, keys[1 + depth * W])
+        resampled = sample_probs(residual, keys[1 + depth * W])
         next_token = mx.where(rejected_all, resampled, next_token)
         stopped = stopped | rejected_all
         num_accepted = num_accepted + accepted_here.astype(mx.int32)
         beam = mx.where(accepted_here, chosen, beam)
         alive = alive & mx.where(accepted_here, beams[:, depth + 1] == beams[chosen, depth + 1], True)
-    bonus = _categorical(target[beam, L - 1], keys[-1])
+    bonus = sample_probs(target[beam, L - 1], keys[-1])
     next_token = mx.where(stopped, next_token, bonus)
     return Accepted(beam, num_accepted, next_token)

@@ -37,13 +37,13 @@ from typing import Iterator, List, Optional
 
 import mlx.core as mx
 
-from ..acceptance import greedy_accept, sampling_accept, target_probs
+from ..acceptance import greedy_accept, sample_probs, sampling_accept, target_probs
 from ..cache import QueryRecorder, RetrievalKVCache
 from ..cache.retrieval import attention_recall
 from ..errors import UserError
 from ..model.forward import forward
 from .base import DecodeContext, Step, keep_prefix, prefilled_cache
-from .triforce_bottom import BOTTOMS, make_bottom
+from .triforce_bottom import BOTTOMS, make_bottom  # noqa: F401  (BOTTOMS: the choices, for the chat)
 
 DEFAULT_BUDGET = 512  # retrieved prompt keys per KV head
 DEFAULT_GAMMA = 6  # tokens the middle level collects per top verify (γ2)
@@ -74,7 +74,7 @@ class Level:
         else:
             probs = target_probs(out.logits[0], self.temperature, self.top_p)  # (k+1, V): p at each depth
             if len(fed) == 1:  # nothing drafted: the level's own sample
-                num_accepted, next_token = mx.array(0), mx.random.categorical(mx.log(mx.maximum(probs[0], 1e-20)))
+                num_accepted, next_token = mx.array(0), sample_probs(probs[0])
             else:
                 accepted = sampling_accept(beams, probs[None], draft_probs[None])
                 num_accepted, next_token = accepted.num_accepted, accepted.next_token
@@ -91,8 +91,6 @@ def _settings(ctx: DecodeContext) -> dict:
              rebuild_stride=int(options.get("rebuild_stride", 0)),
              rebuild_below=float(options.get("rebuild_below", 0.0)),
              score_window=int(options.get("score_window", DEFAULT_SCORE_WINDOW)))
-    if s["bottom"] not in BOTTOMS:
-        raise UserError(f"--bottom is {', '.join(BOTTOMS)}, not {s['bottom']!r}")
     if s["middle_cache"] not in MIDDLE_CACHES:
         raise UserError(f"--middle-cache is {' or '.join(MIDDLE_CACHES)}, not {s['middle_cache']!r}")
     if s["budget"] < 16 or s["gamma"] < 1 or s["draft_length"] < 1 or s["score_window"] < 1:
@@ -106,6 +104,8 @@ def triforce(ctx: DecodeContext) -> Iterator[Step]:
     s = _settings(ctx)
     model, stats, prompt = ctx.lm.model, ctx.stats, ctx.prompt
     gamma = s["gamma"]
+    # before the prefill, so that a missing draft model or head costs no long prefill
+    bottom = make_bottom(s["bottom"], ctx, s["draft_length"], vocab=ctx.lm.model.model.embed_tokens.weight.shape[0])
 
     window = min(s["score_window"], len(prompt))
     full = prefilled_cache(ctx, prompt[:-window])  # resumed from the last turn's prompt in a chat
@@ -115,9 +115,8 @@ def triforce(ctx: DecodeContext) -> Iterator[Step]:
     token = int(ctx.sampler(logits - mx.logsumexp(logits, keepdims=True)).item())  # host sync
     hidden = first.hidden[:, -1]  # (1, D): the state that wrote `token` (the ReDrafter head reads it)
     stats.forward_passes += 1
-    bottom = make_bottom(s["bottom"], ctx, s["draft_length"], vocab=int(logits.shape[-1]))
 
-    def build(queries, query_index: int = -1) -> RetrievalKVCache:
+    def build(queries, query_index=-1) -> RetrievalKVCache:  # an index or a slice of tokens
         return RetrievalKVCache.build(full, queries, s["budget"], prompt_length=len(prompt),
                                       query_index=query_index, policy=s["middle_cache"])
 

@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..acceptance import target_probs
+from ..acceptance import sample_probs, target_probs
 from ..cache.prefix import common_prefix
 from ..cache.streaming import StreamingKVCache
 from ..drafter.beam import dedup_prefix
@@ -75,7 +75,7 @@ class ModelProposer:
         if self.temperature <= 0:
             return mx.argmax(logits, axis=-1), None
         q = target_probs(logits, self.temperature, self.top_p)
-        return mx.random.categorical(mx.log(mx.maximum(q, 1e-20))), q
+        return sample_probs(q), q
 
     def propose(self, token: mx.array, hidden: Optional[mx.array] = None) -> Proposal:
         """token (1,): the target's own latest token (read on the host). A chain (1, 1, L)."""
