@@ -183,3 +183,49 @@ def test_model_proposer_sampled_drafts_carry_the_small_models_distribution():
     assert proposal.draft_probs.shape == (1, 1, 1, 97)
     assert mx.allclose(proposal.draft_probs[0, 0, 0], want, atol=1e-6).item()
     assert float(want[proposal.beams[0, 0, 1]].item()) > 0
+
+
+def test_middle_level_proposer_drafts_the_targets_chain_over_its_cache_and_follows_the_top_level():
+    """TriForce's middle level as a proposer: with no bottom it writes the target's greedy chain
+    over the small cache; `propose` hands the same chain up in the interface's shapes; `commit`
+    leaves the small cache holding the full cache's text (the kept tokens' keys copied from it),
+    `rollback` forgets the round."""
+    from mlx_specdec.cache import ContiguousKVCache, QueryRecorder, RetrievalKVCache
+    from mlx_specdec.decoding.base import GenerationParams
+    from mlx_specdec.decoding.triforce_bottom import Bottom
+    from mlx_specdec.drafting.middle import MiddleLevelProposer
+    from mlx_specdec.model.forward import forward
+
+    model = make_tiny_lm(seed=3, eos_id=96).model
+    prompt = [(i * 7) % 50 + 3 for i in range(60)]
+    full = ContiguousKVCache.for_model(model)
+    forward(model, mx.array([prompt[:-1]]), full, logits_for="none")
+    recorder = QueryRecorder(full)
+    forward(model, mx.array([prompt[-1:]]), recorder, logits_for="none")
+    small = RetrievalKVCache.build(full, recorder.queries(), 24)
+    middle = MiddleLevelProposer(model, full, small, Bottom(None, V, False), gamma=4, params=GenerationParams())
+
+    def chain_over(cache, token, length):  # the reference: greedy one token at a time, then undone
+        out, x = [], token
+        for _ in range(length):
+            x = int(mx.argmax(forward(model, mx.array([[x]]), cache, logits_for="last").logits[0, -1]).item())
+            out.append(x)
+        cache.trim(length)
+        return out
+
+    want = chain_over(small, 9, 4)
+    drafts, probs = middle.collect(9, None)
+    assert drafts == want and probs is None and middle.forwards == 4
+    middle.rollback()
+    assert small.offset == full.offset == len(prompt)
+    proposal = middle.propose(mx.array([9]), None)
+    assert beams_of(proposal) == [[[9] + want]] and proposal.draft_probs is None
+    # the top level kept 9 and two drafts: the full cache holds them, so must the small one
+    forward(model, mx.array([[9] + want[:2]]), full, logits_for="none")
+    middle.commit([[9] + want[:2]])
+    assert small.offset == full.offset == len(prompt) + 3
+    for mid, layer in zip(small.layers, full.layers):
+        own = mid.keys[..., mid.retrieved:mid.retrieved + 3, :]
+        assert mx.array_equal(own, layer.keys[..., len(prompt):len(prompt) + 3, :])
+    following = chain_over(small, want[2], 4)  # continues from the committed text
+    assert middle.collect(want[2], None)[0] == following

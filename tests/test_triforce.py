@@ -218,7 +218,7 @@ def test_a_level_writes_its_own_distribution_whatever_the_draft(draft_kind):
     from mlx_specdec.acceptance import target_probs
     from mlx_specdec.cache import ContiguousKVCache
     from mlx_specdec.decoding.base import GenerationParams as Params
-    from mlx_specdec.decoding.triforce import Level
+    from mlx_specdec.drafting.middle import ChainVerifier
     from mlx_specdec.model.forward import forward
 
     temperature = 0.2  # p^'s likeliest token near 0.4 (the 16-key middle level is flat at T = 1)
@@ -241,7 +241,7 @@ def test_a_level_writes_its_own_distribution_whatever_the_draft(draft_kind):
     else:
         draft = make_tiny_lm(seed=20, layers=1).model
         q = np.array(target_probs(draft(mx.array([PROMPT + [x]]))[0, -1], temperature))
-    level = Level(model, middle, Params(temperature=temperature))
+    level = ChainVerifier(model, middle, Params(temperature=temperature))
     mx.random.seed(0)
     rng = np.random.default_rng(0)
     written = []

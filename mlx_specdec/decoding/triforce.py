@@ -7,7 +7,8 @@ Three levels, as Algorithm 1 of the paper, with the target model at the two uppe
             `--draft-model`), the ReDrafter head on the middle level's hidden state
             (`redrafter`), or nothing (`none`: the middle level writes one token per forward)
     middle  the target over the retrieval cache (`cache/retrieval.py`: the prompt's best chunks,
-            `budget` keys) verifies the bottom's drafts and collects γ2 tokens
+            `budget` keys) verifies the bottom's drafts and collects γ2 tokens: a proposer of
+            the drafting layer (`drafting/middle.py`) for the top level
     top     the target over the full cache verifies those γ2 tokens in one forward: the longest
             prefix it accepts, then its own next token
 
@@ -33,13 +34,13 @@ the last `--score-window` prompt tokens, the question rather than the chat templ
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterator, List, Optional
+from typing import Iterator
 
 import mlx.core as mx
 
-from ..acceptance import greedy_accept, sample_probs, sampling_accept, target_probs
 from ..cache import QueryRecorder, RetrievalKVCache
 from ..cache.retrieval import attention_recall
+from ..drafting.middle import ChainVerifier, MiddleLevelProposer
 from ..errors import UserError
 from ..model.forward import forward
 from .base import DecodeContext, Step, keep_prefix, prefilled_cache
@@ -53,34 +54,6 @@ DEFAULT_SCORE_WINDOW = 16  # last prompt tokens whose queries score the chunks (
 # benchmarks/results/issue16_needle_scoring.md)
 ROLLING_ROUNDS = 8  # rounds in the rolling middle acceptance that `rebuild_below` watches
 MIDDLE_CACHES = ("retrieval", "streaming")
-
-
-class Level:
-    """The target model over one cache, verifying a chain: greedy or exact sampling."""
-
-    def __init__(self, model, cache, params):
-        self.model, self.cache = model, cache
-        self.greedy, self.temperature, self.top_p = params.greedy, params.temperature, params.top_p
-
-    def verify(self, fed: List[int], draft_probs: Optional[mx.array]):
-        """One forward of `fed` (the last token, then k drafts) over the cache. Returns (drafts
-        accepted n, the next token, the distributions of the n + 1 tokens written (k+1, V) or
-        None when greedy, the hidden states (1, k+1, D)). The one host sync of a verify."""
-        out = forward(self.model, mx.array([fed]), self.cache, logits_for="all")  # logits (1, k+1, V)
-        beams = mx.array([fed])  # one beam of k + 1 tokens
-        if self.greedy:
-            accepted, probs = greedy_accept(beams, out.logits), None
-            num_accepted, next_token = accepted.num_accepted, accepted.next_token
-        else:
-            probs = target_probs(out.logits[0], self.temperature, self.top_p)  # (k+1, V): p at each depth
-            if len(fed) == 1:  # nothing drafted: the level's own sample
-                num_accepted, next_token = mx.array(0), sample_probs(probs[0])
-            else:
-                accepted = sampling_accept(beams, probs[None], draft_probs[None])
-                num_accepted, next_token = accepted.num_accepted, accepted.next_token
-        mx.eval(num_accepted, next_token)  # host sync
-        n = int(num_accepted.item())
-        return n, int(next_token.item()), None if probs is None else probs[: n + 1], out.hidden
 
 
 def _settings(ctx: DecodeContext) -> dict:
@@ -124,10 +97,10 @@ def triforce(ctx: DecodeContext) -> Iterator[Step]:
     # how much of the last prompt token's attention the kept positions hold (one softmax over
     # the prompt per layer, once): what a budget sees
     recall = attention_recall(recorder.queries(), full, middle_cache.positions)
-    middle, top = Level(model, middle_cache, ctx.params), Level(model, full, ctx.params)
+    top = ChainVerifier(model, full, ctx.params)
+    middle = MiddleLevelProposer(model, full, middle_cache, bottom, gamma, ctx.params)
     bottom.begin(prompt)
-    counts = dict(middle_forwards=0, bottom_drafted=0, bottom_accepted=0, top_drafted=0, top_accepted=0,
-                  top_forwards=0, rebuilds=0)
+    counts = dict(top_drafted=0, top_accepted=0, top_forwards=0, rebuilds=0)
     rolling = deque(maxlen=ROLLING_ROUNDS)  # per round: accepted / drafted at the top verify
     since_build = 0
     yield Step([token])
@@ -135,37 +108,15 @@ def triforce(ctx: DecodeContext) -> Iterator[Step]:
     def report() -> None:
         c = counts
         stats.extra.update(
-            budget=middle_cache.budget, bottom=s["bottom"], gamma=gamma, middle_cache=s["middle_cache"],
-            bottom_acceptance=round(c["bottom_accepted"] / max(c["bottom_drafted"], 1), 3),
+            budget=middle.cache.budget, bottom=s["bottom"], gamma=gamma, middle_cache=s["middle_cache"],
+            bottom_acceptance=round(middle.accepted / max(middle.drafted, 1), 3),
             middle_acceptance=round(c["top_accepted"] / max(c["top_drafted"], 1), 3),
             tokens_per_full_forward=round((c["top_accepted"] + c["top_forwards"]) / max(c["top_forwards"], 1), 3),
-            middle_forwards=c["middle_forwards"], retrieval_rebuilds=c["rebuilds"], attention_recall=round(recall, 3))
-
-    def middle_round(start: int, hidden: mx.array):
-        """γ2 tokens after `start` written by the target over the retrieval cache, with the
-        bottom's drafts verified γ1 at a time, and the distribution each was written from."""
-        drafts: List[int] = []
-        rows: List[mx.array] = []
-        x = start
-        while len(drafts) < gamma:
-            candidates, q = bottom.draft(x, hidden)
-            n, own, probs, states = middle.verify([x] + candidates, q)
-            counts["middle_forwards"] += 1
-            counts["bottom_drafted"] += len(candidates)
-            counts["bottom_accepted"] += n
-            middle_cache.trim(len(candidates) - n)  # fed x and the candidates: keep x and the accepted
-            bottom.commit([x] + candidates[:n])
-            drafts += candidates[:n] + [own]
-            if probs is not None:
-                rows.append(probs)
-            x, hidden = own, states[:, n]  # the state that wrote `own` (the ReDrafter head reads it)
-        return drafts[:gamma], (mx.concatenate(rows)[:gamma] if rows else None)
+            middle_forwards=middle.forwards, retrieval_rebuilds=c["rebuilds"], attention_recall=round(recall, 3))
 
     try:
         while True:
-            committed = middle_cache.layers[0].own  # the middle cache's tokens the top level committed
-            base = full.offset  # the committed text: the prompt and every token before `token`
-            drafts, handed_up = middle_round(token, hidden)
+            drafts, handed_up = middle.collect(token, hidden)
             due = (s["rebuild_stride"] and since_build >= s["rebuild_stride"]) or (
                 s["rebuild_below"] and len(rolling) == rolling.maxlen
                 and sum(rolling) / len(rolling) < s["rebuild_below"])
@@ -180,25 +131,15 @@ def triforce(ctx: DecodeContext) -> Iterator[Step]:
             counts["top_accepted"] += n
             rolling.append(n / len(drafts))
             full.trim(len(drafts) - n)  # keep the last token and the accepted drafts
-            kept = 1 + n
-            since_build += kept
-            bottom.rollback(base)  # the bottom's text: what the top level committed
-            bottom.commit([token] + drafts[:n])
+            since_build += 1 + n
+            # both levels continue from the same text: the middle cache drops what it wrote this
+            # round and takes the full cache's entries of the committed tokens
+            middle.commit([[token] + drafts[:n]])
             if due:  # scored by the last committed token's queries (fed[n]) over the prompt
-                middle_cache = build(scorer.queries(), query_index=n)
-                middle.cache = middle_cache
+                middle.use_cache(build(scorer.queries(), query_index=n))
                 counts["rebuilds"] += 1
                 since_build = 0
                 rolling.clear()
-            else:
-                # The middle cache drops what it wrote this round and takes the full cache's
-                # entries of the newly committed tokens: both levels continue from the same text.
-                middle_cache.trim(middle_cache.layers[0].own - committed)
-                end = full.offset
-                for mid, layer in zip(middle_cache.layers, full.layers):
-                    mid.update_and_fetch(layer.keys[..., end - kept:end, :], layer.values[..., end - kept:end, :])
-            if middle_cache.offset != full.offset:  # both hold the prompt and every committed token
-                raise RuntimeError(f"triforce: retrieval cache at {middle_cache.offset}, full cache at {full.offset}")
             token = following
             report()
             yield Step(drafts[:n] + [token], drafted=len(drafts), accepted=n)

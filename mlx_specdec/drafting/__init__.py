@@ -5,11 +5,14 @@
   prompt and the answer so far.
 - `ModelProposer` (model.py): a small same-tokenizer model over a StreamingLLM cache (sink +
   recent window), TriForce's bottom level.
+- `MiddleLevelProposer` (middle.py): the target over a retrieval cache, drafting for the same
+  target over its full cache (TriForce's middle level), with a lower proposer drafting for it.
 """
 
 from .base import Proposal, Proposer, one_hot_probs, select_rows
 from .head import HeadProposer
+from .middle import ChainVerifier, MiddleLevelProposer
 from .model import ModelProposer
 from .ngram import NgramProposer
 
-__all__ = ["HeadProposer", "ModelProposer", "NgramProposer", "Proposal", "Proposer", "one_hot_probs", "select_rows"]
+__all__ = ["ChainVerifier", "HeadProposer", "MiddleLevelProposer", "ModelProposer", "NgramProposer", "Proposal", "Proposer", "one_hot_probs", "select_rows"]
