@@ -221,7 +221,7 @@ def test_attached_document_with_triforce_in_tmux(tmp_path, session):
     tmux("send-keys", "-t", session, "C-b")
     tmux("send-keys", "-t", session, "-l", f"/attach {tmp_path / 'missing.txt'}")
     tmux("send-keys", "-t", session, "Enter")
-    wait_screen(session, r"missing\.txt:\s+no such file", timeout=30)  # one line (wrapped)
+    wait_screen(session, r"missing\.txt:\s+no\s+such\s+file", timeout=30)  # one line (wrapped where the temp path's length puts it)
     tmux("send-keys", "-t", session, "-l", f"/attach {doc}")
     tmux("send-keys", "-t", session, "Enter")
     wait_screen(session, rf"notes\.txt · {tokens} tokens", timeout=30)  # the chip

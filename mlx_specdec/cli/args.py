@@ -99,6 +99,9 @@ METHOD_SETTINGS = [
      lambda text, flag: _choice(text, flag, ("retrieval", "streaming"))),
     ("triforce", "score_window", "--score-window",
      "the last prompt tokens whose queries choose the retrieved chunks (default: 16)", _positive_int),
+    ("triforce", "score_reduce", "--score-reduce",
+     "how the query heads that share a KV head score a chunk together: mean or max (default: mean)",
+     lambda text, flag: _choice(text, flag, ("mean", "max"))),
     ("triforce", "rebuild_stride", "--rebuild-stride",
      "rebuild the retrieval cache every N generated tokens from the latest token's queries; 0 = never "
      "(default: 0)", _nonnegative_int),

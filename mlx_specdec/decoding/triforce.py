@@ -63,7 +63,10 @@ def _settings(ctx: DecodeContext) -> dict:
              middle_cache=str(options.get("middle_cache", "retrieval")),
              rebuild_stride=int(options.get("rebuild_stride", 0)),
              rebuild_below=float(options.get("rebuild_below", 0.0)),
-             score_window=int(options.get("score_window", DEFAULT_SCORE_WINDOW)))
+             score_window=int(options.get("score_window", DEFAULT_SCORE_WINDOW)),
+             score_reduce=str(options.get("score_reduce", "mean")))
+    if s["score_reduce"] not in ("mean", "max"):
+        raise UserError(f"--score-reduce is mean or max, not {s['score_reduce']!r}")
     if s["middle_cache"] not in MIDDLE_CACHES:
         raise UserError(f"--middle-cache is {' or '.join(MIDDLE_CACHES)}, not {s['middle_cache']!r}")
     if s["budget"] < 16 or s["gamma"] < 1 or s["draft_length"] < 1 or s["score_window"] < 1:
@@ -91,7 +94,8 @@ def triforce(ctx: DecodeContext) -> Iterator[Step]:
 
     def build(queries, query_index=-1) -> RetrievalKVCache:  # an index or a slice of tokens
         return RetrievalKVCache.build(full, queries, s["budget"], prompt_length=len(prompt),
-                                      query_index=query_index, policy=s["middle_cache"])
+                                      query_index=query_index, policy=s["middle_cache"],
+                                      reduce=s["score_reduce"])
 
     middle_cache = build(recorder.queries(), query_index=slice(None))
     # how much of the last prompt token's attention the kept positions hold (one softmax over
