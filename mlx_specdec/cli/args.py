@@ -21,7 +21,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "for this model; 'none' = no adapter (default: auto)")
 
 
-METHODS_HELP = "ar (plain), mlx-lm (peer baseline), redrafter, apar, triforce (long prompts)"
+METHODS_HELP = ("ar (plain), mlx-lm (peer baseline), redrafter, apar, triforce (long prompts); "
+                "with --ranks: pp-ar, pp-spec, pipeinfer (the model split across processes or Macs)")
 
 
 def _on_off(value: str, flag: str) -> bool:

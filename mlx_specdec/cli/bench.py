@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from .args import METHODS_HELP, _add_method_args, _add_model_args, _comma_list, load_engine, method_grids
+from .pipeline import PIPELINE_METHODS, add_pipeline_args
 
 
 def add_parser(sub) -> None:
@@ -42,6 +43,7 @@ def add_parser(sub) -> None:
     p.add_argument("--output", "-o", default=None, help="write the report here (default: stdout)")
     p.add_argument("--plot", default=None, metavar="PATH.png",
                    help="also draw decode tok/s and speed-up over ar per method and prompt category (matplotlib)")
+    add_pipeline_args(p)
     p.set_defaults(func=cmd_bench)
 
 
@@ -51,6 +53,8 @@ def cmd_bench(args) -> int:
     from ..decoding import GenerationParams
 
     methods = _comma_list(args.methods)
+    if any(m in PIPELINE_METHODS for m in methods):
+        return _bench_pipeline(args, methods)
     configs = expand_configs(methods, method_grids(args))
     prompts = load_prompts(args.prompts, limit=args.limit,
                            categories=_comma_list(args.categories) if args.categories else None,
@@ -73,4 +77,32 @@ def cmd_bench(args) -> int:
         sys.stdout.write(text)
     if args.plot:
         print(f"wrote {plot_bench(result, Path(args.plot))}", file=sys.stderr)
+    return 0
+
+
+def _bench_pipeline(args, methods) -> int:
+    """pp-ar, pp-spec, pipeinfer over ranks, against ar in this process (bench_pipeline.py)."""
+    from ..bench import environment, load_prompts
+    from ..bench_pipeline import render, run_pipeline_bench
+    from ..decoding import GenerationParams
+
+    other = [m for m in methods if m not in PIPELINE_METHODS + ("ar",)]
+    if other:
+        raise UserError(f"a pipeline bench compares ar, {', '.join(PIPELINE_METHODS)}; not {', '.join(other)}")
+    if args.ranks is None and args.hostfile is None:
+        args.ranks = 2
+    prompts = load_prompts(args.prompts, limit=args.limit,
+                           categories=_comma_list(args.categories) if args.categories else None,
+                           shapes=_comma_list(args.shapes) if args.shapes else None,
+                           context=args.context_length, ids=_comma_list(args.ids) if args.ids else None)
+    engine = load_engine(args)
+    params = GenerationParams(max_tokens=args.max_tokens, temperature=args.temp, seed=args.seed)
+    result = run_pipeline_bench(args, engine, prompts, methods, params)
+    env = environment(engine)
+    text = render(result, " · ".join(f"{k}: {v}" for k, v in env.items()))
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}", file=sys.stderr)
+    sys.stdout.write(text)
     return 0

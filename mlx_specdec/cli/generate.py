@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from .args import _add_method_args, _add_model_args, _add_sampling_args, _params, load_engine
+from .pipeline import PIPELINE_METHODS, add_pipeline_args, generate_pipelined
 from .printer import print_answer
 
 
@@ -22,17 +23,25 @@ def add_parser(sub) -> None:
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     _add_sampling_args(p)
     _add_method_args(p)
+    add_pipeline_args(p)
     p.set_defaults(func=cmd_generate)
 
 
 def cmd_generate(args) -> int:
     from ..engine import check_method
 
-    check_method(args.method)
+    pipelined = args.method in PIPELINE_METHODS or args.ranks is not None or args.hostfile is not None
+    if not pipelined:
+        check_method(args.method)
+    elif args.method not in PIPELINE_METHODS + ("ar",):
+        raise UserError(f"--ranks runs {', '.join(PIPELINE_METHODS)}, not {args.method!r}")
     params = _params(args)
     prompt = _prompt(args)
     if not prompt.strip():
         raise UserError("empty prompt")
+    if pipelined:
+        args.seed = args.seed or 0
+        return generate_pipelined(args, prompt)
     engine = load_engine(args)
     events = engine.generate(prompt, method=args.method, params=params, chat_template=not args.raw)
     print_answer(engine, events, verbose=True, method=args.method)

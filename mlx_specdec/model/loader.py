@@ -206,3 +206,16 @@ def load_model(spec: Optional[str] = "default", dtype: str = "auto") -> LoadedMo
         tokenizer._tokenizer.chat_template = VICUNA_TEMPLATE
     name = path.name if spec in (None, "", "default") or Path(str(spec)).exists() else str(spec)
     return LoadedModel(model, tokenizer, path, name, config, compute, bits)
+
+
+def load_tokenizer_only(spec: Optional[str] = "default") -> LoadedModel:
+    """The tokenizer and config of a model, without its weights (`model` is None): for a process
+    that only encodes and decodes, while ranks elsewhere hold the weights."""
+    from mlx_lm.utils import load_tokenizer
+
+    path = resolve_model_path(spec)
+    config = read_config(path)
+    tokenizer = load_tokenizer(path)
+    if getattr(tokenizer, "chat_template", None) is None:
+        tokenizer._tokenizer.chat_template = VICUNA_TEMPLATE
+    return LoadedModel(None, tokenizer, path, path.name, config, "float32", None)

@@ -1,0 +1,146 @@
+"""Start the ranks with `mlx.launch` (ring backend) and read the head's events.
+
+    run_pipeline(job, ranks=2)            N local ranks over the loopback ring
+    run_pipeline(job, hostfile="h.json")  one rank per host in an `mlx.launch` hostfile (Macs over
+                                          Ethernet or Thunderbolt; see the README)
+
+Every rank runs in one new process group: on a timeout, a failed rank, Ctrl-C or the end, the
+whole group is killed, so no rank outlives the call. A failure is one `UserError` line: the
+head's own error line, or the last thing a rank printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+from ..errors import UserError
+from .rank import MARK
+
+RANK_SCRIPT = Path(__file__).with_name("rank.py")
+
+
+def _free_port(count: int) -> int:
+    """A base port with `count` free ports after it (the ring listens on base + rank)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + count >= 65535:
+            continue
+        try:
+            for offset in range(1, count):
+                with socket.socket() as other:
+                    other.bind(("127.0.0.1", base + offset))
+            return base
+        except OSError:
+            continue
+    raise UserError("no free local ports for the ranks")
+
+
+def _launcher() -> str:
+    local = Path(sys.executable).with_name("mlx.launch")
+    found = str(local) if local.exists() else shutil.which("mlx.launch")
+    if not found:
+        raise UserError("mlx.launch not found: install mlx (it ships the launcher)")
+    return found
+
+
+def check_hostfile(path: str) -> int:
+    """The number of ranks an `mlx.launch` hostfile names; one line on a bad file."""
+    try:
+        hosts = json.loads(Path(path).expanduser().read_text())
+    except FileNotFoundError:
+        raise UserError(f"--hostfile {path}: no such file")
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise UserError(f"--hostfile {path}: not JSON ({error})")
+    if not isinstance(hosts, list) or not hosts or not all(isinstance(h, dict) and h.get("ssh") for h in hosts):
+        raise UserError(f"--hostfile {path}: a JSON list of hosts, each {{\"ssh\": NAME, \"ips\": [...]}}")
+    return len(hosts)
+
+
+def run_pipeline(job: dict, ranks: int = 2, hostfile: Optional[str] = None, timeout: float = 600.0,
+                 on_event: Optional[Callable[[dict], None]] = None) -> List[dict]:
+    """Run `job` (see rank.py) on the ranks; returns the head's events in order."""
+    if hostfile:
+        ranks = check_hostfile(hostfile)
+    if ranks < 2:
+        raise UserError(f"--ranks needs at least 2, not {ranks}")
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(job, f)
+        job_path = f.name
+    command = [_launcher(), "--backend", "ring", "--python", sys.executable]
+    command += ["--hostfile", hostfile] if hostfile else ["-n", str(ranks), "--starting-port", str(_free_port(ranks))]
+    command += [str(RANK_SCRIPT), job_path]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                               text=True, start_new_session=True, env=env)
+    lines: "queue.Queue" = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in process.stdout] + [lines.put(None)],
+                     daemon=True).start()
+    events: List[dict] = []
+    other: List[str] = []
+    deadline = time.monotonic() + timeout
+    error: Optional[str] = None
+    try:
+        while True:
+            try:
+                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                error = f"the ranks ran past {timeout:g} s and were stopped"
+                break
+            if line is None:
+                break
+            if not line.startswith(MARK):
+                if line.strip() and "closed by the peer" not in line:
+                    other.append(line.strip())
+                continue
+            event: Dict = json.loads(line[len(MARK):])
+            if "error" in event:
+                error = event["error"]
+                break
+            events.append(event)
+            if on_event is not None:
+                on_event(event)
+            if event.get("done"):
+                break
+    finally:
+        _stop(process)
+        os.unlink(job_path)
+    if error is None and not any(e.get("done") for e in events):
+        import re
+
+        tail = [line for line in other if re.match(r"rank \d+:", line)] or other
+        error = tail[-1] if tail else f"the ranks ended early (exit {process.returncode})"
+    if error is not None:
+        raise UserError(f"pipeline: {error}")
+    return events
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """End every rank (one process group), politely first."""
+    if process.poll() is None:
+        try:
+            process.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            pass
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=3)
+        except subprocess.TimeoutExpired:
+            continue

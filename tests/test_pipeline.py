@@ -1,0 +1,205 @@
+"""Pipeline-parallel decoding over real `mx.distributed` ranks (2 local ranks started by
+`mlx.launch`, ring backend over the loopback): pp-ar, pp-spec and pipeinfer against
+single-process `ar`, forced rejections and cancellations with a scripted drafter, the stages'
+caches after cancellations, and the errors a user can cause. Every launch has a timeout."""
+
+import os
+import signal
+import subprocess
+import time
+from types import SimpleNamespace
+
+import mlx.core as mx
+import pytest
+
+from mlx_specdec.distributed.split import plan_split
+from mlx_specdec.errors import UserError
+
+from conftest import save_tiny_model_dir
+
+PROMPT = [(i * 7) % 50 + 3 for i in range(40)] + [(i * 13) % 40 + 5 for i in range(30)] + \
+         [(i * 7) % 50 + 3 for i in range(12)]
+
+
+def test_layers_split_evenly_or_as_told_and_bad_splits_are_one_line():
+    assert [list(r) for r in plan_split(5, 2)] == [[0, 1], [2, 3, 4]]
+    assert [list(r) for r in plan_split(30, 4, "6,8,8,8")][0] == list(range(6))
+    for args, words in [((2, 3), "3 ranks for a model of 2 layers"), ((4, 2, "1,2"), "adds up to 3"),
+                        ((4, 2, "1,2,1"), "3 layer counts for 2 ranks"), ((4, 2, "a,b"), "comma-separated"),
+                        ((4, 2, "0,4"), "at least one layer"), ((4, 1), "at least 2 ranks")]:
+        with pytest.raises(UserError, match=words):
+            plan_split(*args)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Llama on disk (4 layers, embeddings at their init scale so the argmax depends on
+    the whole context: a cache that lost or kept a wrong entry changes the output) and its ar."""
+    from conftest import make_tiny_lm
+    from mlx_specdec.decoding import GenerationParams
+    from mlx_specdec.engine import Engine
+    from mlx_specdec.model.loader import load_model
+
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    save_tiny_model_dir(path, seed=4)
+    weights = mx.load(str(path / "model.safetensors"))
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"] / 8  # back to init scale
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    lm = load_model(str(path))
+    params = GenerationParams(max_tokens=40)
+    events = list(Engine(lm).generate_ids(PROMPT, "ar", params))
+    want = [t for e in events if e.kind == "token" for t in e.tokens]
+    return SimpleNamespace(path=str(path), lm=lm, want=want)
+
+
+def run(tiny, jobs, drafter, timeout=120, **job):
+    from mlx_specdec.distributed.launch import run_pipeline
+
+    job = dict(model=str(tiny.path), jobs=jobs, drafter=drafter, timeout=30, **job)
+    events = run_pipeline(job, ranks=2, timeout=timeout)
+    out = {}
+    for e in events:
+        if "tokens" in e:
+            out.setdefault(e["job"], []).extend(e["tokens"])
+        if "stats" in e:
+            out[("stats", e["job"])] = e["stats"]
+    return out, events
+
+
+def settings(method, **kw):
+    return dict(method=method, max_tokens=40, check_cache=True, **kw)
+
+
+def reference_checksums(tiny, committed):
+    """Every stage's cache checksum over the canonical text, computed in one process."""
+    from mlx_specdec.cache import ContiguousKVCache
+    from mlx_specdec.distributed.stage import cache_checksum
+    from mlx_specdec.model.forward import forward
+
+    text = PROMPT + committed
+    cache = ContiguousKVCache.for_model(tiny.lm.model)
+    forward(tiny.lm.model, mx.array([text[:-1]]), cache, logits_for="none")
+    spans = plan_split(len(tiny.lm.model.model.layers), 2)
+    return [cache_checksum(SimpleNamespace(layers=cache.layers[s.start:s.stop]), len(text) - 1) for s in spans]
+
+
+def close(a, b):
+    return all(abs(x - y) <= 1e-4 * max(abs(y), 1) for x, y in zip(a, b))
+
+
+def test_every_pipeline_method_writes_ar_s_tokens_and_forced_rejections_cancel_runs(tiny):
+    scripted = dict(kind="scripted", continuation=tiny.want, wrong_at=[3, 4, 11, 20, 27])
+    jobs = [dict(prompt=PROMPT, settings=settings("pp-ar")),
+            dict(prompt=PROMPT, settings=settings("pp-spec", draft_length=4)),
+            dict(prompt=PROMPT, settings=settings("pipeinfer", micro_batch=2, max_runs=4)),
+            dict(prompt=PROMPT, settings=settings("pipeinfer", micro_batch=1, max_runs=3, prefill_chunk=16))]
+    out, events = run(tiny, jobs, scripted)
+    for job in range(len(jobs)):
+        assert out[job] == tiny.want, job
+        stats = out[("stats", job)]
+        assert close(stats["cache_checksums"], reference_checksums(tiny, stats["committed"])), job
+    assert out[("stats", 0)]["drafted"] == 0 and out[("stats", 0)]["decode_runs"] == len(tiny.want) - 1
+    spec, infer = out[("stats", 1)], out[("stats", 2)]
+    assert spec["rejected_drafts"] >= 4 and spec["cancelled"] == 0  # one run in flight: nothing to cancel
+    assert infer["rejected_drafts"] >= 4 and infer["cancelled"] >= 4  # runs after a wrong draft
+    assert len(tiny.want) >= 30 and infer["decode_runs"] < len(tiny.want) - 1  # drafts saved runs
+    assert infer["accepted"] >= len(tiny.want) // 2
+    ranks = events[0]
+    assert ranks["ranks"] == 2 and ranks["split"] == [[0, 1], [1, 2]] and len(ranks["parameter_mb"]) == 2
+
+
+def test_sampled_pipeinfer_tokens_are_the_targets_own_samples(tiny):
+    """T = 0.1: the second token, after the likeliest first one, is distributed as the target's
+    p(. | prompt, first), whatever the drafts (scripted: the target's greedy chain)."""
+    import numpy as np
+
+    from mlx_specdec.acceptance import target_probs
+    from mlx_specdec.model.forward import forward
+
+    from test_triforce import chi_square_below_critical
+
+    temperature = 0.1  # the first token is one token 87% of the time; the second spreads over ~9
+    jobs = [dict(prompt=PROMPT, settings=dict(method="pipeinfer", max_tokens=2, temperature=temperature,
+                                              seed=seed, micro_batch=2, max_runs=2)) for seed in range(500)]
+    out, _ = run(tiny, jobs, dict(kind="scripted", continuation=tiny.want), timeout=300)
+    pairs = [out[j] for j in range(len(jobs))]
+    first = max(set(p[0] for p in pairs), key=[p[0] for p in pairs].count)
+    seconds = [p[1] for p in pairs if p[0] == first]
+    assert len(seconds) >= 350
+    logits = forward(tiny.lm.model, mx.array([PROMPT + [first]]), None, logits_for="last").logits[0, -1]
+    p = np.array(target_probs(logits, temperature))
+    ok, figures = chi_square_below_critical(seconds, p)
+    assert ok, figures
+
+
+def _rank_pids(rank: int):
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = open(f"/proc/{entry}/cmdline", "rb").read().decode(errors="replace")
+            environ = open(f"/proc/{entry}/environ", "rb").read().decode(errors="replace")
+        except OSError:
+            continue
+        if "distributed/rank.py" in cmdline and f"MLX_RANK={rank}\0" in environ + "\0":
+            pids.append(int(entry))
+    return pids
+
+
+@pytest.mark.parametrize("fault,words", [(signal.SIGKILL, "rank 1 is gone"), (signal.SIGSTOP, "rank 1 sent nothing")])
+def test_a_rank_that_dies_or_hangs_ends_the_run_in_seconds_with_one_line_and_no_rank_left(tiny, fault, words):
+    from mlx_specdec.distributed.launch import run_pipeline
+
+    struck = []
+
+    def strike(event):
+        if "tokens" in event and not struck:
+            for pid in _rank_pids(1):
+                os.kill(pid, fault)
+                struck.append(pid)
+
+    job = dict(model=str(tiny.path), drafter=dict(kind="ngram"), timeout=3,
+               jobs=[dict(prompt=PROMPT, settings=dict(method="pipeinfer", max_tokens=100000))] * 50)
+    began = time.monotonic()
+    with pytest.raises(UserError, match=words):
+        run_pipeline(job, ranks=2, timeout=120, on_event=strike)
+    assert struck and time.monotonic() - began < 60
+    time.sleep(0.5)
+    assert _rank_pids(0) == [] and _rank_pids(1) == []
+
+
+def test_a_rank_with_another_model_is_one_line(tiny, tmp_path):
+    from mlx_specdec.distributed.launch import run_pipeline
+
+    other = save_tiny_model_dir(tmp_path / "other", seed=9)
+    job = dict(model=str(tiny.path), model_by_rank={"1": str(other)}, drafter=dict(kind="none"), timeout=20,
+               jobs=[dict(prompt=PROMPT, settings=dict(method="pp-ar", max_tokens=4))])
+    with pytest.raises(UserError, match="rank 1 loaded a different model than rank 0"):
+        run_pipeline(job, ranks=2, timeout=120)
+
+
+def test_cli_generate_over_ranks_writes_ar_s_answer_and_bad_input_is_one_line(tiny, tmp_path):
+    import sys
+
+    cli = [sys.executable, "-m", "mlx_specdec.cli"]
+    base = ["generate", "-m", tiny.path, "-p", "w3 w5 w7 w9 w3 w5 w7", "--raw", "--max-tokens", "12"]
+    want = subprocess.run(cli + base, capture_output=True, text=True, timeout=120)
+    assert want.returncode == 0, want.stderr
+    for method in ("pp-ar", "pp-spec", "pipeinfer"):
+        got = subprocess.run(cli + base + ["--method", method, "--ranks", "2"], capture_output=True, text=True,
+                             timeout=120)
+        assert got.returncode == 0, got.stderr
+        assert got.stdout == want.stdout, method
+        assert f"[{method} over 2 ranks]" in got.stderr
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text("not json")
+    for extra, words in [(["--ranks", "3"], "3 ranks for a model of 2 layers"),
+                         (["--ranks", "2", "--split", "1,2"], "adds up to 3 layers"),
+                         (["--ranks", "1"], "at least 2"),
+                         (["--hostfile", str(hostfile)], "not JSON"),
+                         (["--hostfile", str(tmp_path / "none.json")], "no such file"),
+                         (["--ranks", "2", "--method", "redrafter"], "--ranks runs pp-ar")]:
+        bad = subprocess.run(cli + base + extra, capture_output=True, text=True, timeout=120)
+        assert bad.returncode != 0 and words in bad.stderr and "Traceback" not in bad.stderr, (extra, bad.stderr)
+        assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
