@@ -80,11 +80,14 @@ def run_pipeline(job: dict, ranks: int = 2, hostfile: Optional[str] = None, time
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
         job_path = f.name
-    command = [_launcher(), "--backend", "ring", "--python", sys.executable]
+    command = [sys.executable, "-m", "mlx_specdec.distributed.mlx_launch", "--backend", "ring",
+               "--python", sys.executable]
     command += ["--hostfile", hostfile] if hostfile else ["-n", str(ranks), "--starting-port", str(_free_port(ranks))]
     command += [str(RANK_SCRIPT), job_path]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+    _launcher()  # MLX ships it: a clear line where it is missing
+    # stdin: a pipe that stays open and empty (mlx_launch.py: at end of file the launcher spins)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
                                text=True, start_new_session=True, env=env)
     lines: "queue.Queue" = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in process.stdout] + [lines.put(None)],
@@ -130,6 +133,8 @@ def run_pipeline(job: dict, ranks: int = 2, hostfile: Optional[str] = None, time
 
 def _stop(process: subprocess.Popen) -> None:
     """End every rank (one process group), politely first."""
+    if process.stdin is not None:
+        process.stdin.close()
     if process.poll() is None:
         try:
             process.wait(timeout=2)
