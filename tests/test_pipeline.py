@@ -203,3 +203,24 @@ def test_cli_generate_over_ranks_writes_ar_s_answer_and_bad_input_is_one_line(ti
         bad = subprocess.run(cli + base + extra, capture_output=True, text=True, timeout=120)
         assert bad.returncode != 0 and words in bad.stderr and "Traceback" not in bad.stderr, (extra, bad.stderr)
         assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+def test_cli_bench_compares_pipeline_methods_with_ar_and_reports_identical_output(tiny, tmp_path):
+    import sys
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w3 w5 w7 w9 w3 w5 w7\nw11 w13 w11 w13 w11\n")
+    out = tmp_path / "bench.md"
+    done = subprocess.run([sys.executable, "-m", "mlx_specdec.cli", "bench", "-m", tiny.path, "--prompts", str(prompts),
+                           "--methods", "ar,pp-ar,pp-spec,pipeinfer", "--ranks", "2", "--max-tokens", "10",
+                           "--pp-drafter", "ngram", "-o", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    summary = out.read_text().split("| method | prompts |")[1].split("\n\n")[0]  # the summary table
+    rows = [line.split(" | ") for line in summary.splitlines()[2:]]
+    methods = {row[0].strip("| ") for row in rows}
+    assert methods == {"ar", "pp-ar", "pp-spec", "pipeinfer"}
+    assert all(row[-1].strip(" |") == "1.0" for row in rows)  # identical_fraction
+    bad = subprocess.run([sys.executable, "-m", "mlx_specdec.cli", "bench", "-m", tiny.path, "--prompts", str(prompts),
+                          "--methods", "ar,redrafter,pipeinfer", "--ranks", "2"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode != 0 and "not redrafter" in bad.stderr

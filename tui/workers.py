@@ -70,18 +70,6 @@ def real_loader(model: str = "default", dtype: str = "auto", drafter: Optional[s
     return load
 
 
-def release_thread_streams() -> None:
-    """Destroy the MLX streams this worker thread created. A thread that ran MLX work and ends
-    with them alive can abort the process at exit ("terminate called without an active
-    exception", ml-explore/mlx#3126; here 3 exits in 8 after a threaded generation, 0 in 12 with
-    this): MLX's advice is `clear_streams` at the end of such a thread. Only generation threads
-    call it: the loading thread creates the default stream (the first MLX use), which every
-    later thread needs ("There is no Stream(cpu, 0) in current thread" once it was cleared)."""
-    import mlx.core as mx
-
-    mx.clear_streams()
-
-
 class LoadingMixin:
     """Loads the engine (and measures the plain speed once) off the UI thread."""
 
@@ -210,7 +198,6 @@ class GenerationMixin:
                         close()  # runs the strategy's `finally`: its cache rolls back
                     except Exception:  # noqa: BLE001
                         pass
-                release_thread_streams()
 
     def on_gen_event(self, message: GenEvent) -> None:
         gen = self.current

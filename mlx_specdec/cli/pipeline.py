@@ -19,15 +19,19 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
                    help="an mlx.launch hostfile (JSON): one rank per Mac, over Ethernet or Thunderbolt (README)")
     g.add_argument("--split", default=None,
                    help="layers per rank, comma-separated (e.g. 14,16); default: even, leftovers on the last ranks")
-    g.add_argument("--pp-drafter", default="ngram", choices=["ngram", "head", "none"],
-                   help="the head's drafts: ngram (prompt lookup), head (the ReDrafter head) or none "
-                        "(default: %(default)s)")
+    g.add_argument("--pp-drafter", default="auto", choices=["auto", "ngram", "head", "none"],
+                   help="the head's drafts: head (the ReDrafter head), ngram (prompt lookup) or none; auto = "
+                        "the head where the model has one, else ngram (default: %(default)s)")
     g.add_argument("--pp-draft-length", type=int, default=4, help="pp-spec: drafts per verify (default: 4)")
     g.add_argument("--micro-batch", type=int, default=2,
                    help="pipeinfer: tokens per speculative run, 1-4 in the paper (default: 2)")
-    g.add_argument("--max-runs", type=int, default=4, help="pipeinfer: speculative runs in flight (default: 4)")
-    g.add_argument("--p-accept", type=float, default=0.0,
-                   help="pipeinfer: confidence cutoff for drafts (default: 0 = every draft)")
+    g.add_argument("--max-runs", type=int, default=1,
+                   help="pipeinfer: speculative runs in flight besides the known token's (default: 1; measured "
+                        "best on 2 ranks, where more only queue behind the last stage)")
+    g.add_argument("--p-accept", type=float, default=0.4,
+                   help="pipeinfer: confidence cutoff, a draft below it is not sent (the head's own probability; "
+                        "n-gram drafts: their running acceptance) (default: 0.4; measured: 0.99x of pp-spec with "
+                        "70 runs cancelled, against 0.92x and 222 at 0)")
     g.add_argument("--p-recovery", type=float, default=0.0,
                    help="pipeinfer: cutoff += this per run launched while waiting (default: 0)")
     g.add_argument("--p-decay", type=float, default=0.0,

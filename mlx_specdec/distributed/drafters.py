@@ -5,14 +5,14 @@
 `seq` is everything the head has committed or sent (committed text, then the speculative tokens in
 flight); `committed` how much of it is committed. Continuous speculation asks again and again as
 the speculative tail grows, so a drafter continues the tail, not only the committed text.
-`observe(hidden, token)` hands the drafter the final hidden state that produced a newly committed
+`outcome(accepted)` tells it each verified draft's fate; `observe(hidden, token, position)` hands the drafter the final hidden state that produced a newly committed
 token (the ReDrafter head drafts from it).
 
-- `NgramDrafter`: prompt lookup over seq (`drafting.NgramProposer`); confidence 1 (a lookup has
-  no probability; the pipeline's run limit bounds it).
+- `NgramDrafter`: prompt lookup over seq (`drafting.NgramProposer`); confidence: the running
+  acceptance rate of its drafts (a lookup has no probability of its own).
 - `HeadDrafter`: the ReDrafter head's chain from the newest committed token's hidden state
-  (`drafting.HeadProposer`, one beam), handed out in micro-batches while the tail in flight is its
-  prefix; confidence: the head's own probability of each token.
+  (drafter/beam.py's greedy search, one beam), handed out in micro-batches while the tail in
+  flight is its prefix; confidence: the head's own probability of each token.
 - `ScriptedDrafter`: a given continuation with wrong tokens at chosen answer positions. Tests
   force rejections and cancellations with it, and the bench uses it to measure the pipeline's
   scheduling apart from any drafter's quality ("oracle" rows, labelled as such).
@@ -29,9 +29,15 @@ from ..drafting import NgramProposer
 
 
 class NgramDrafter:
+    RATE_WEIGHT = 0.2  # the newest draft's weight in the running acceptance rate
+
     def __init__(self, vocab: int, length: int = 8):
         self.proposer = NgramProposer(1, length + 1, vocab)
         self.known: List[int] = []
+        self.rate = 0.5  # running acceptance rate of its drafts: its confidence
+
+    def outcome(self, accepted: bool) -> None:
+        self.rate += self.RATE_WEIGHT * (float(accepted) - self.rate)
 
     def begin(self, prompt: Sequence[int]) -> None:
         self.proposer.begin([list(prompt[:-1])])
@@ -50,28 +56,29 @@ class NgramDrafter:
         self.known = body
         found = self.proposer.continuations(0, seq[-1])
         tokens = found[0][:k] if found else []
-        return tokens, [1.0] * len(tokens)
+        return tokens, [self.rate] * len(tokens)
 
 
 class HeadDrafter:
     needs_hidden = True  # the last stage sends the final hidden states with its tokens
 
     def __init__(self, head, embed, vocab: int, length: int):
-        from ..drafting import HeadProposer
-
-        self.proposer = HeadProposer(head, embed, 1, length + 1, vocab)
         self.chain: List[int] = []  # drafts after the newest committed token
-        self.chain_at = -1  # its position in seq
+        self.chain_at = -1  # that token's position in seq
         self.confidence: List[float] = []
+        self._draft = _compiled_chain(head, embed, length + 1)
 
     def begin(self, prompt: Sequence[int]) -> None:
         self.chain, self.chain_at, self.confidence = [], -1, []
 
+    def outcome(self, accepted: bool) -> None:
+        pass
+
     def observe(self, hidden: Optional[mx.array], token: int, position: int) -> None:
-        proposal = self.proposer.propose(mx.array([token]), hidden[None])
-        self.chain = [int(t) for t in proposal.beams[0, 0, 1:].tolist()]  # host sync: the drafts
+        tokens, probs = self._draft(hidden[None], mx.array([token]))
+        mx.eval(tokens, probs)  # host sync: the drafts' values
+        self.chain, self.confidence = tokens.tolist(), probs.tolist()
         self.chain_at = position
-        self.confidence = [1.0] * len(self.chain)
 
     def draft(self, seq: Sequence[int], committed: int, k: int) -> Tuple[List[int], List[float]]:
         if self.chain_at != committed - 1:
@@ -81,6 +88,26 @@ class HeadDrafter:
             return [], []  # the runs in flight follow older drafts
         rest = self.chain[len(tail): len(tail) + k]
         return rest, self.confidence[len(tail): len(tail) + len(rest)]
+
+
+def _compiled_chain(head, embed, length: int):
+    """(hidden (1, D), token (1,)) -> (length - 1 greedy drafts, the head's probability of each):
+    one compiled graph (as drafter/beam.py's beam search, one beam, keeping the probabilities)."""
+    from ..drafter.beam import _start
+
+    def chain(hidden, token):
+        state, hid, _ = _start(head, embed, hidden, token, 1)  # (1, 1, E), (1, 1, D)
+        tokens, probs = [], []
+        for _ in range(length - 1):
+            logits = head.logits(state, hid).astype(mx.float32)  # (1, 1, K)
+            best = mx.argmax(logits, axis=-1)  # (1, 1)
+            probs.append(mx.softmax(logits, axis=-1).max(axis=-1)[0, 0])
+            full = head.draft_to_full[best]  # (1, 1) full-vocabulary id
+            tokens.append(full[0, 0])
+            state = head.next_state(state, embed(full))
+        return mx.stack(tokens), mx.stack(probs)
+
+    return mx.compile(chain)
 
 
 class ScriptedDrafter:
@@ -96,6 +123,9 @@ class ScriptedDrafter:
 
     def begin(self, prompt: Sequence[int]) -> None:
         self.prompt_length = len(prompt)
+
+    def outcome(self, accepted: bool) -> None:
+        pass
 
     def observe(self, hidden, token: int, position: int) -> None:
         pass

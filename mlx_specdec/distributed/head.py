@@ -52,13 +52,14 @@ class PipelineSettings:
     draft_length: int = 4  # pp-spec: drafts per verify
     micro_batch: int = 2  # pipeinfer: tokens per speculative run (the paper: 1-4)
     max_runs: int = 4  # pipeinfer: speculative runs in flight at once
-    p_accept: float = 0.0  # confidence cutoff (the paper's -pa)
+    p_accept: float = 0.0  # confidence cutoff (the paper's -pa; the CLI's default is 0.4)
     p_recovery: float = 0.0  # (-pr)
     p_decay: float = 0.0  # (-pd)
     prefill_chunk: int = 256  # prompt tokens per run: prefill chunks are pipelined too
     timeout: float = 60.0  # seconds any receive waits before the run ends with one line
     eos: List[int] = field(default_factory=list)
     check_cache: bool = False  # report every stage's cache checksum at the end (tests)
+    trace: bool = False  # report the head's timeline (launches, results) in the stats
 
 
 @dataclass
@@ -114,9 +115,12 @@ class Head:
         self.text, self.seq = list(prompt), list(prompt)
         self.sent = 0  # positions [0, sent) are in every stage's cache (or on their way)
         self.busy = 0.0
+        self.pending_observe = None
+        self.t0 = time.perf_counter()
+        self.trace: List[list] = []
         c = self.counts = dict(runs=0, speculative_runs=0, cancelled=0, skipped=0, drafted=0, accepted=0,
-                               decode_runs=0, rejected_drafts=0)
-        self.stage.cache.trim(self.stage.cache.offset)
+                               decode_runs=0, rejected_drafts=0, abandoned=0)
+        self.stage.truncate(0)
         self.outbox.send(Message(TRIM, b=0))  # every stage starts empty
         want_logits = s.temperature > 0
         self.flags = (2 if want_logits else 0) | (1 if getattr(self.drafter, "needs_hidden", False) else 0)
@@ -124,7 +128,7 @@ class Head:
             mx.random.seed(s.seed)
         if self.drafter is not None:
             self.drafter.begin(prompt)
-        t0 = time.perf_counter()
+        t0 = self.t0
         for start in range(0, len(prompt), s.prefill_chunk):
             chunk = prompt[start:start + s.prefill_chunk]
             last = start + len(chunk) == len(prompt)
@@ -169,6 +173,8 @@ class Head:
         self._drain()
         wall = time.perf_counter() - t0
         busy = [self.busy] + self.stage_busy(s.timeout)
+        if s.trace:
+            c["trace"] = self.trace
         if s.check_cache:  # the canonical text's entries, on every stage (the text but its last token)
             c["cache_checksums"] = self.cache_checksums(len(self.text) - 1, s.timeout)
             c["committed"] = self.text[len(prompt):]
@@ -179,30 +185,43 @@ class Head:
                              tokens_per_pass=round(max(len(generated) - 1, 0) / max(c["decode_runs"], 1), 3))}
 
     # ---- scheduling ----------------------------------------------------------------------
-    def _launch(self, tokens: List[int], speculative: bool, want_from: int, prefill: bool = False) -> None:
+    def _launch(self, tokens: List[int], speculative: bool, want_from: int, prefill: bool = False) -> bool:
+        """Run the first stage on `tokens` and send them on. A speculative run is abandoned
+        (False) when a result arrives meanwhile: the head verifies first."""
         begin = time.perf_counter()
         start = self.sent
-        h = self.stage.run(mx.array([tokens], dtype=mx.int32))
+        h = self.stage.run(mx.array([tokens], dtype=mx.int32), self.inbox.pending if speculative else None)
+        if h is None:
+            self.stage.truncate(start)
+            self.busy += time.perf_counter() - begin
+            self.counts["abandoned"] += 1
+            return False
         run = Run(self.next_id, start, len(tokens), speculative, want_from)
         self.next_id += 1
         self.outbox.send(Message(RUN, run.id, run.count, run.start, want_from, self.flags, h.astype(mx.float32)))
         self.busy += time.perf_counter() - begin
+        if self.settings.trace:
+            self.trace.append(["launch", run.id, run.start, run.count, int(speculative),
+                               round((begin - self.t0) * 1000, 1), round((time.perf_counter() - self.t0) * 1000, 1)])
         self.sent += len(tokens)
         self.runs.append(run)
         self.counts["runs"] += 1
         if not prefill:
             self.counts["decode_runs"] += 1
         self.counts["speculative_runs"] += int(speculative)
+        return True
 
     def _launch_base(self) -> None:
         """Nothing in flight: the last committed token goes in (with drafts for pp-spec)."""
         s = self.settings
         drafts: List[int] = []
         if s.method == "pp-spec" and self.drafter is not None:
+            self._draft_ready()
             drafts, _ = self.drafter.draft(self.seq, len(self.text), s.draft_length)
         self.seq.extend(drafts)
         self.counts["drafted"] += len(drafts)
         self._launch([self.text[-1]] + drafts, speculative=bool(drafts), want_from=0)
+        self._draft_ready()  # pipeinfer: the known token is on its way before the drafter runs
 
     def _speculate(self, cutoff: float) -> Optional[bool]:
         """One speculative micro-batch continuing the tip. True: launched; False: the drafter
@@ -210,6 +229,7 @@ class Head:
         s = self.settings
         if self.drafter is None or cutoff >= 1.0 or len(self.seq) > self.sent:
             return None
+        self._draft_ready()
         if sum(run.speculative and not run.cancelled for run in self.runs) >= s.max_runs:
             return None
         tokens, confidence = self.drafter.draft(self.seq, len(self.text), s.micro_batch)
@@ -219,13 +239,18 @@ class Head:
         if keep == 0:
             return False
         self.seq.extend(tokens[:keep])
+        if not self._launch(tokens[:keep], speculative=True, want_from=0):
+            del self.seq[len(self.seq) - keep:]
+            return None
         self.counts["drafted"] += keep
-        self._launch(tokens[:keep], speculative=True, want_from=0)
         return True
 
     def _settle(self, message: Message):
         """One run's answer: the committed tokens and whether the run was accepted whole."""
         run = self.runs.popleft()
+        if self.settings.trace:
+            self.trace.append(["answer", run.id, message.kind, int(run.cancelled),
+                               round((time.perf_counter() - self.t0) * 1000, 1)])
         if message.run != run.id or message.kind not in (RESULT, SKIPPED):
             raise RankFailure(f"the pipeline answered {message.kind}/{message.run}, expected run {run.id}")
         if message.kind == SKIPPED:
@@ -250,7 +275,10 @@ class Head:
                 y = int(row[0].item())  # host sync: the target's token
             if hidden_width:  # the drafter continues from the newest committed token
                 last = (row[row.shape[0] - hidden_width:], y, p)
-            if p < len(self.seq) and self.seq[p] == y:  # a draft, accepted
+            drafted_here = p < len(self.seq)
+            if drafted_here and self.drafter is not None:
+                self.drafter.outcome(self.seq[p] == y)
+            if drafted_here and self.seq[p] == y:  # a draft, accepted
                 self.text.append(y)
                 committed.append(y)
                 self.counts["accepted"] += 1
@@ -269,8 +297,15 @@ class Head:
         return committed, True
 
     def _observe(self, last) -> None:
-        if last is not None and self.drafter is not None:
-            self.drafter.observe(*last)
+        """Kept for `_draft_ready`: pipeinfer launches the known token before the drafter runs."""
+        if last is not None:
+            self.pending_observe = last
+
+    def _draft_ready(self) -> None:
+        """Hand the drafter the newest committed token's hidden state (it drafts from it)."""
+        if self.pending_observe is not None and self.drafter is not None:
+            self.drafter.observe(*self.pending_observe)
+        self.pending_observe = None
 
     def _cancel_after(self, p: int) -> None:
         victims = [run for run in self.runs if not run.cancelled]
@@ -281,7 +316,7 @@ class Head:
             self.outbox.send(Message(CANCEL, a=victims[0].id, b=victims[-1].id))
         self.seq = list(self.text)
         begin = time.perf_counter()
-        self.stage.cache.trim(self.stage.cache.offset - p)
+        self.stage.truncate(p)
         self.busy += time.perf_counter() - begin
         self.sent = p
         self.outbox.send(Message(TRIM, b=p))

@@ -51,7 +51,7 @@ def emit(event: dict) -> None:
 def make_drafter(spec: dict, lm, engine_drafter=None):
     from .drafters import HeadDrafter, NgramDrafter, ScriptedDrafter
 
-    kind = spec.get("kind", "ngram")
+    kind = spec.get("kind", "auto")
     vocab = lm.model.model.embed_tokens.weight.shape[0]
     if kind == "none":
         return None
@@ -59,10 +59,12 @@ def make_drafter(spec: dict, lm, engine_drafter=None):
         return NgramDrafter(vocab, int(spec.get("length", 8)))
     if kind == "scripted":
         return ScriptedDrafter(spec["continuation"], spec.get("wrong_at", ()), vocab)
-    if kind == "head":
+    if kind in ("head", "auto"):
         from ..engine import Engine
 
         head = Engine(lm, drafter=spec.get("path") or "auto", apar_adapter=None).drafter
+        if head is None and kind == "auto":
+            return NgramDrafter(vocab, int(spec.get("length", 8)))
         if head is None:
             from ..errors import UserError
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -58,14 +58,28 @@ class StageModel:
 
         return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
 
-    def run(self, x: mx.array) -> mx.array:
-        """x: token ids (1, T) on the first stage, else activations (1, T, D) -> (1, T, D)."""
+    def run(self, x: mx.array, stop: Optional[Callable[[], bool]] = None, every: int = 5) -> Optional[mx.array]:
+        """x: token ids (1, T) on the first stage, else activations (1, T, D) -> (1, T, D).
+        With `stop`, the layers are computed `every` at a time and the run is abandoned (None)
+        as soon as stop() says so (a cancelled run: the paper's abort at thread-sync points); the
+        layers it reached keep entries past the others', which the cancellation's TRIM removes."""
         inner = self.model.model
         h = inner.embed_tokens(x) if self.first else x
         mask = "causal" if h.shape[1] > 1 else None
-        for layer, layer_cache in zip(inner.layers, self.cache.layers):
+        count = len(inner.layers)
+        for i, (layer, layer_cache) in enumerate(zip(inner.layers, self.cache.layers)):
             h = transformer_block(layer, h, None, layer_cache, mask)
+            if stop is not None and (i + 1) % every == 0 and i + 1 < count:
+                mx.eval(h)  # host sync: a checkpoint where a cancelled run stops
+                if stop():
+                    return None
         return h
+
+    def truncate(self, length: int) -> None:
+        """Every layer's cache back to at most `length` entries (an abandoned run left some
+        layers longer than others)."""
+        for layer in self.cache.layers:
+            layer.offset = min(layer.offset, length)
 
     def results(self, h: mx.array, want_from: int, want_hidden: bool, want_logits: bool) -> mx.array:
         """The last stage's answer for tokens want_from.. of a run: (K, 1 + [D]) float32 rows of
@@ -129,7 +143,17 @@ def serve_stage(stage: StageModel, group, rank: int, ranks: int, idle_timeout: f
                                       f"its cache holds {stage.cache.offset} tokens (out of order)")
                 begin = time.perf_counter()
                 x = message.payload.astype(mx.int32) if stage.first else message.payload
-                h = stage.run(x)
+                run_id = message.run
+
+                def stop() -> bool:
+                    with lock:
+                        return run_id in cancelled
+
+                h = stage.run(x, stop)
+                if h is None:  # cancelled while it ran
+                    busy += time.perf_counter() - begin
+                    outbox.send(Message(SKIPPED, message.run, message.count, message.start))
+                    continue
                 if stage.last:
                     rows = None if message.a >= message.count else \
                         stage.results(h, message.a, bool(message.b & 1), bool(message.b & 2))  # none: a prefill chunk
@@ -141,7 +165,7 @@ def serve_stage(stage: StageModel, group, rank: int, ranks: int, idle_timeout: f
                 busy += time.perf_counter() - begin
                 outbox.send(out)
             elif message.kind == TRIM:
-                stage.cache.trim(stage.cache.offset - message.b)
+                stage.truncate(message.b)
                 if not stage.last:
                     outbox.send(message)
             elif message.kind == HELLO:  # a = 0: the handshake; 1: busy time since the last report;
