@@ -71,11 +71,14 @@ class Engine:
     @classmethod
     def load(cls, model: Optional[str] = "default", dtype: str = "auto",
              drafter: Optional[str] = "auto", apar_adapter: Optional[str] = "auto",
-             draft_model: Optional[str] = None, reuse_prefix: bool = False) -> "Engine":
+             draft_model: Optional[str] = None, reuse_prefix: bool = False, dequantize: str = "auto") -> "Engine":
         """drafter / apar_adapter: 'auto' (one shipped in models/ for this model, if any), a
-        directory, or None. draft_model: a model spec as `model` (triforce's bottom level)."""
-        lm = load_model(model, dtype=dtype)
-        engine = cls(lm, drafter, apar_adapter, load_model(draft_model, dtype=lm.dtype) if draft_model else None,
+        directory, or None. draft_model: a model spec as `model` (triforce's bottom level).
+        dequantize: a quantized model's weights expanded once at load (auto: on the CPU when
+        memory allows; model/loader.py)."""
+        lm = load_model(model, dtype=dtype, dequantize=dequantize)
+        engine = cls(lm, drafter, apar_adapter,
+                     load_model(draft_model, dtype=lm.dtype, dequantize=dequantize) if draft_model else None,
                      reuse_prefix=reuse_prefix)
         if drafter not in (None, "auto"):
             engine.drafter  # load now: a mismatched head is reported before anything runs

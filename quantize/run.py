@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate with each (default: 64)")
     p.add_argument("--compare", type=int, default=32, help="compare the first N greedy tokens (default: 32)")
     p.add_argument("--force", action="store_true", help="overwrite an existing output directory")
+    p.add_argument("--dequantize", default="auto", choices=["auto", "on", "off"],
+                   help="run the quantized model dequantized at load (the CPU's fast path; auto = on the CPU when "
+                        "memory allows) or with MLX's quantized matmul (off) (default: auto)")
 
 
 def size_on_disk(path: Path) -> int:
@@ -87,7 +90,9 @@ def run_quantize(args) -> int:
 
     results = []
     for label, path in (("float", source), (f"{args.bits}-bit", out)):
-        engine = Engine(load_model(str(path)))
+        engine = Engine(load_model(str(path), dequantize=args.dequantize))
+        if engine.lm.dequantized:
+            label += ", dequantized at load"
         weights = count_weights(engine.lm.model)
         _run(engine, args.prompt, 4)  # warm-up, not timed
         tokens, text, stats = _run(engine, args.prompt, args.max_tokens)

@@ -16,6 +16,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default="default", help=MODEL_HELP)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="compute dtype; auto = float32 on the CPU, the model's own on Metal")
+    p.add_argument("--dequantize", default="auto", choices=["auto", "on", "off"],
+                   help="expand a quantized model's weights once at load: MLX's quantized matmul is slow on "
+                        "the CPU for more than one row (prefill, verify); auto = on the CPU when the float32 "
+                        "weights fit in 40%% of RAM (default: auto)")
     p.add_argument("--apar-adapter", default="auto",
                    help="apar: adapter directory (made by train-apar); 'auto' = the one shipped in models/ "
                         "for this model; 'none' = no adapter (default: auto)")
@@ -173,4 +177,5 @@ def load_engine(args, reuse_prefix: bool = False):
     print(f"Loading {args.model}...", file=sys.stderr, flush=True)
     return Engine.load(args.model, dtype=args.dtype, drafter=getattr(args, "drafter", "auto"),
                        apar_adapter=apar_adapter_spec(getattr(args, "apar_adapter", "auto")),
-                       draft_model=getattr(args, "draft_model", None), reuse_prefix=reuse_prefix)
+                       draft_model=getattr(args, "draft_model", None), reuse_prefix=reuse_prefix,
+                       dequantize=getattr(args, "dequantize", "auto"))

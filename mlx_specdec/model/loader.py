@@ -54,6 +54,7 @@ class LoadedModel:
     config: dict
     dtype: str  # compute dtype of the non-quantized weights
     bits: Optional[int]  # quantization bits, None for unquantized
+    dequantized: bool = False  # quantized weights expanded to `dtype` once at load (the CPU's fast path)
 
     @property
     def context_length(self) -> int:
@@ -80,6 +81,8 @@ class LoadedModel:
 
     def describe(self) -> str:
         bits = f"{self.bits}-bit" if self.bits else "unquantized"
+        if self.bits and self.dequantized:
+            bits += ", dequantized at load"
         return f"{self.name} ({self.dtype}, {bits})"
 
 
@@ -178,7 +181,41 @@ def default_dtype(config: dict) -> str:
     return config.get("torch_dtype") or "float16"
 
 
-def load_model(spec: Optional[str] = "default", dtype: str = "auto") -> LoadedModel:
+#: "auto" dequantizes a quantized model on the CPU when its float32 weights fit in this share of RAM
+DEQUANTIZE_RAM_SHARE = 0.4
+
+
+def float32_bytes(model: nn.Module) -> int:
+    """What the model's weights take once every quantized layer is float32."""
+    total = 0
+    for _, module in model.named_modules():
+        arrays = {k: v for k, v in module.items() if isinstance(v, mx.array)}  # this module's own
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            rows, packed = module.weight.shape
+            total += rows * packed * (32 // module.bits) * 4 + (arrays["bias"].size * 4 if "bias" in arrays else 0)
+        else:
+            total += sum(v.size * 4 for v in arrays.values())
+    return total
+
+
+def should_dequantize(model: nn.Module, bits: Optional[int], choice: str) -> bool:
+    """On the CPU, MLX's quantized matmul of more than one row is slow (a 4-bit verify or prefill:
+    measured in the 4-bit card); dequantized once at load, a quantized model runs at float32's
+    speed with the same weight values, for 32/bits x the weight memory. `choice`: auto (when the
+    float32 weights fit in DEQUANTIZE_RAM_SHARE of RAM, on the CPU), on, off."""
+    if choice not in ("auto", "on", "off"):
+        raise UnsupportedModel(f"--dequantize is auto, on or off, not {choice!r}")
+    if not bits or choice == "off":
+        return False
+    if choice == "on":
+        return True
+    if not (mx.default_device() == mx.cpu or not mx.metal.is_available()):
+        return False
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return float32_bytes(model) <= DEQUANTIZE_RAM_SHARE * ram
+
+
+def load_model(spec: Optional[str] = "default", dtype: str = "auto", dequantize: str = "auto") -> LoadedModel:
     path = resolve_model_path(spec)
     config = read_config(path)
     check_weights(path)
@@ -199,13 +236,18 @@ def load_model(spec: Optional[str] = "default", dtype: str = "auto") -> LoadedMo
     # On the CPU a quantized model computes in float32 too (its scales/biases are cast; the packed
     # weights stay 4-bit): measured on the default model, float16 activations took > 120 s for
     # 16 tokens, float32 7.3 tok/s.
+    dequantized = should_dequantize(model, bits, dequantize)
+    if dequantized:
+        from mlx_lm.utils import dequantize_model
+
+        model = dequantize_model(model)
     model.set_dtype(getattr(mx, compute))
     mx.eval(model.parameters())  # materialise once: lazy weights would be loaded inside the first step
 
     if getattr(tokenizer, "chat_template", None) is None:
         tokenizer._tokenizer.chat_template = VICUNA_TEMPLATE
     name = path.name if spec in (None, "", "default") or Path(str(spec)).exists() else str(spec)
-    return LoadedModel(model, tokenizer, path, name, config, compute, bits)
+    return LoadedModel(model, tokenizer, path, name, config, compute, bits, dequantized)
 
 
 def load_tokenizer_only(spec: Optional[str] = "default") -> LoadedModel:
