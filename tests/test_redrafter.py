@@ -175,6 +175,36 @@ def run_batch(engine, prompts, **params):
     return [per_row.get(b, []) for b in range(len(prompts))], events[-1].stats
 
 
+def test_kept_length_is_the_deepest_leading_run_at_or_above_the_cutoff():
+    from mlx_specdec.decoding.redrafter import kept_length
+
+    confidence = np.array([[[0.9, 0.2, 0.8], [0.6, 0.7, 0.1]], [[0.1, 0.9, 0.9], [0.95, 0.5, 0.5]]])  # (B, W, L-1)
+    assert kept_length(confidence, 0.0) == 4  # every draft
+    assert kept_length(confidence, 0.55) == 3  # row 0 beam 1: two leading drafts
+    assert kept_length(confidence, 0.92) == 2  # row 1 beam 1: one
+    assert kept_length(confidence, 0.99) == 1  # none: a plain step
+
+
+@pytest.mark.parametrize("cutoff", [0.3, 0.9])
+@pytest.mark.parametrize("width,length", [(1, 5), (2, 4)])
+def test_greedy_redrafter_with_a_draft_cutoff_equals_plain_decoding_and_verifies_fewer_drafts(width, length, cutoff):
+    lm = make_tiny_lm(seed=3, eos_id=96)
+    engine = engine_with(lm, oracle_head(lm, PROMPTS, corrupt=0.3))
+    shorter = 0
+    for prompt in PROMPTS:
+        want, _ = run(engine, prompt, "ar", max_tokens=40)
+        params = GenerationParams(max_tokens=40, options={"beam_width": width, "beam_length": length,
+                                                          "draft_cutoff": cutoff})
+        events = list(engine.generate_ids(prompt, "redrafter", params))
+        assert [t for e in events if e.kind == "token" for t in e.tokens] == want
+        drafted = [e.drafted for e in events if e.kind == "token"][1:]  # the first token is the prefill's
+        assert all(0 <= d <= length - 1 for d in drafted)
+        shorter += sum(d < length - 1 for d in drafted)
+        stats = events[-1].stats
+        assert stats.forward_passes < stats.generated_tokens  # confident drafts were still accepted
+    assert shorter > 0  # the cutoff cut some steps short
+
+
 @pytest.mark.parametrize("width,length", [(1, 4), (3, 5)])
 def test_batched_prompts_each_equal_their_own_plain_decoding(width, length):
     """Rows of different prompt lengths accept different numbers of tokens each step (a ragged
@@ -209,8 +239,8 @@ def test_only_redrafter_decodes_batches():
         Engine(make_tiny_lm(), drafter=None).generate_ids_batch([[5], [6]], "ar")
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (2.0, 0.3)])
-def test_sampling_redrafter_samples_the_models_distribution(temperature, top_p):
+@pytest.mark.parametrize("temperature,top_p,cutoff", [(1.0, 1.0, 0.0), (2.0, 0.3, 0.0), (1.0, 1.0, 0.3)])
+def test_sampling_redrafter_samples_the_models_distribution(temperature, top_p, cutoff):
     """End to end: the second token (produced by draft-verify-accept: an accepted draft, a
     resample or a bonus token) follows the marginal of plain sampling (mlx-lm's rule: nucleus cut
     at T = 1, then softmax(logits / T) over it) P(t2) = sum_t1 p(t1) p(t2 | t1) (chi-square,
@@ -224,7 +254,7 @@ def test_sampling_redrafter_samples_the_models_distribution(temperature, top_p):
     seconds = []
     for seed in range(800):
         tokens, _ = run(engine, prompt, "redrafter", max_tokens=2, temperature=temperature, top_p=top_p,
-                        seed=seed, options={"beam_width": 2, "beam_length": 3})
+                        seed=seed, options={"beam_width": 2, "beam_length": 3, "draft_cutoff": cutoff})
         if not tokens:  # the first token was EOS: no second token
             continue
         seconds.append(tokens[1] if len(tokens) > 1 else 96)  # a 1-token answer ended with EOS (96)

@@ -80,6 +80,9 @@ def _comma_list(text: str, kind=str) -> List:
 # chat take one value; bench takes a comma list and runs every combination.
 METHOD_SETTINGS = [
     ("redrafter", "beam_width", "--beam-width", "beam width W (default: 2)", _positive_int),
+    ("redrafter", "draft_cutoff", "--draft-cutoff",
+     "verify only the drafts the head gives at least this probability (each beam up to its first below); "
+     "a step with none is a plain step (default: 0 = every draft)", lambda text, flag: _fraction(text, flag)),
     ("redrafter", "beam_length", "--beam-length", "beam length L, the LLM's token + L-1 drafts (default: 5)",
      _positive_int),
     ("apar", "max_threads", "--max-threads", "most live threads per answer (default: 32)", _positive_int),

@@ -39,6 +39,7 @@ from .base import DecodeContext, Step, new_contiguous_cache, prefill_rows
 
 DEFAULT_BEAM_WIDTH = 2
 DEFAULT_BEAM_LENGTH = 5
+DEFAULT_DRAFT_CUTOFF = 0.0  # verify only the drafts the head gives at least this probability
 PHASES = ("draft_s", "pack_s", "verify_s", "accept_s", "sync_s")
 
 
@@ -54,8 +55,11 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     width = int(ctx.params.options.get("beam_width", DEFAULT_BEAM_WIDTH))
     length = int(ctx.params.options.get("beam_length", DEFAULT_BEAM_LENGTH))
     profile = bool(ctx.params.options.get("profile", False))
+    cutoff = float(ctx.params.options.get("draft_cutoff", DEFAULT_DRAFT_CUTOFF))
     if width < 1 or length < 2:
         raise UserError("redrafter needs --beam-width >= 1 and --beam-length >= 2")
+    if not 0.0 <= cutoff <= 1.0:
+        raise UserError("redrafter needs --draft-cutoff between 0 and 1")
     model, stats, params = ctx.lm.model, ctx.stats, ctx.params
     embed = model.model.embed_tokens
     greedy = params.greedy
@@ -113,14 +117,22 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     rows, keep = _drop_finished(rows, [[int(t)] for t in first], emitted, eos, params.max_tokens)
     if rows:  # the first draft, from the prompt's last hidden state and the first tokens
         drafts = proposer.propose(token, out.hidden[:, -1])
-        beams, owner = _read(drafts.beams, drafts.owner)  # host sync: the first drafts and their owners
+        beams, owner, confidence = _read(drafts.beams, drafts.owner, drafts.confidence)  # host sync: the first drafts
     try:
         while rows:
             if keep is not None:  # some rows finished: they leave the batch
                 cache.select_rows(keep)
-                valid, lengths, beams, owner, emitted = (a[keep] for a in (valid, lengths, beams, owner, emitted))
+                valid, lengths, beams, owner, confidence, emitted = (
+                    a[keep] for a in (valid, lengths, beams, owner, confidence, emitted))
                 drafts = select_rows(drafts, keep)
             t0 = time.perf_counter()
+            # Draft only where it is likely: this step verifies the drafts up to the deepest one
+            # (over beams and rows) that every draft before it in its beam clears the cutoff; the
+            # rest are cut from the tree. A step with none is a plain step (cost 1, not ~1.5).
+            step_length = kept_length(confidence, cutoff)
+            beams, owner = beams[:, :, :step_length], owner[:, :, :step_length]
+            step_drafts = drafts if drafts.draft_probs is None else \
+                drafts._replace(draft_probs=drafts.draft_probs[:, :, : step_length - 1])
             trees = [pack_beams(beams[b], owner[b]) for b in range(len(rows))]
             n = max(len(t.tokens) for t in trees)
             tally["before"] += beams.size
@@ -139,11 +151,11 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
 
             out = forward(model, mx.array(tokens), cache, positions=positions, mask=mask)
             beam_logits = mx.take_along_axis(out.logits, index[..., None], axis=1)  # (B, W*L, V)
-            beam_logits = beam_logits.reshape(len(rows), width, length, -1)  # unpacked to beams
+            beam_logits = beam_logits.reshape(len(rows), width, step_length, -1)  # unpacked to beams
             t0 = mark("verify_s", t0, beam_logits)
 
-            result = accept(mx.array(beams), beam_logits, drafts)
-            flat = result.beam * length + result.num_accepted  # (B,) last accepted token, beam-major
+            result = accept(mx.array(beams), beam_logits, step_drafts)
+            flat = result.beam * step_length + result.num_accepted  # (B,) last accepted token, beam-major
             last = mx.take_along_axis(index, flat[:, None], axis=1)  # (B, 1) its packed position
             hidden = mx.take_along_axis(out.hidden, last[..., None], axis=1)[:, 0]  # (B, D)
             t0 = mark("accept_s", t0, result, hidden)
@@ -152,8 +164,8 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
             t0 = mark("draft_s", t0, drafts.beams, drafts.owner)
 
             # The one host sync of the step: acceptance results + the next step's drafts and owners.
-            best, accepted, token, next_beams, next_owner = _read(
-                result.beam, result.num_accepted, result.next_token, drafts.beams, drafts.owner)
+            best, accepted, token, next_beams, next_owner, next_confidence = _read(
+                result.beam, result.num_accepted, result.next_token, drafts.beams, drafts.owner, drafts.confidence)
             mark("sync_s", t0)
 
             kept = [trees[b].index[best[b], : accepted[b] + 1] for b in range(len(rows))]
@@ -172,13 +184,22 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
                 new_tokens.append([int(t) for t in beams[b, best[b], 1 : accepted[b] + 1]] + [int(token[b])])
             emitted += accepted + 1
             _report(stats, width, length, tally, per_position, timings, profile)
-            beams, owner = next_beams, next_owner
+            beams, owner, confidence = next_beams, next_owner, next_confidence
             for b, thread in enumerate(rows):
-                yield Step(new_tokens[b], thread_id=thread, drafted=length - 1, accepted=int(accepted[b]))
+                yield Step(new_tokens[b], thread_id=thread, drafted=step_length - 1, accepted=int(accepted[b]))
             rows, keep = _drop_finished(rows, new_tokens, emitted, eos, params.max_tokens)
     finally:
         if cache.offset > committed:  # stopped mid-step: drop the unverified tree
             cache.rollback_to(committed)
+
+
+def kept_length(confidence: np.ndarray, cutoff: float) -> int:
+    """confidence (B, W, L-1): the head's probability of each drafted token. The beam length a
+    step verifies: 1 + the deepest run of leading drafts at or above the cutoff in any beam."""
+    if cutoff <= 0.0:
+        return confidence.shape[-1] + 1
+    leading = np.cumprod(confidence >= cutoff, axis=-1).sum(axis=-1)  # (B, W) drafts kept per beam
+    return int(leading.max()) + 1
 
 
 def _drop_finished(rows: List[int], new_tokens, emitted, eos, max_tokens):

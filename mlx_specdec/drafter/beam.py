@@ -24,6 +24,7 @@ Embed = Callable[[mx.array], mx.array]  # token ids (...,) -> embeddings (..., E
 class Drafts(NamedTuple):
     beams: mx.array  # (B, W, L) int32 token ids; [:, :, 0] is the target's own token
     draft_probs: mx.array | None  # (B, W, L-1, K) draft-vocab distribution of each drafted token
+    confidence: mx.array | None = None  # (B, W, L-1) the head's probability of each drafted token
 
 
 def _start(head, embed: Embed, hidden: mx.array, first_token: mx.array, width: int):
@@ -45,6 +46,7 @@ def beam_search(head, embed: Embed, hidden: mx.array, first_token: mx.array, wid
     K = head.config.draft_vocab_size
     state, hidden, beams = _start(head, embed, hidden, first_token, width)
     scores = mx.broadcast_to(mx.array([0.0] + [-1e9] * (width - 1)), (B, width))  # (B, W)
+    steps = mx.zeros((B, width, 0))  # (B, W, j) each beam's per-token log-probabilities so far
     for _ in range(length - 1):
         logits = head.logits(state, hidden).astype(mx.float32)  # (B, W, K)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -55,13 +57,16 @@ def beam_search(head, embed: Embed, hidden: mx.array, first_token: mx.array, wid
             top = mx.argpartition(-candidates, kth=width - 1, axis=-1)[:, :width]  # (B, W) unordered
             order = mx.argsort(-mx.take_along_axis(candidates, top, axis=-1), axis=-1)
             top = mx.take_along_axis(top, order, axis=-1)  # best first: beam 0 is the best beam
-        scores = mx.take_along_axis(candidates, top, axis=-1)
         parent, draft_token = top // K, top % K  # (B, W)
+        new_scores = mx.take_along_axis(candidates, top, axis=-1)
+        step = new_scores - mx.take_along_axis(scores, parent, axis=-1)  # (B, W) the new token's log-prob
+        steps = mx.concatenate([mx.take_along_axis(steps, parent[..., None], axis=1), step[..., None]], axis=-1)
+        scores = new_scores
         token = head.draft_to_full[draft_token]  # (B, W) full-vocabulary ids
         beams = mx.concatenate([mx.take_along_axis(beams, parent[..., None], axis=1), token[..., None]], axis=-1)
         state = mx.take_along_axis(state, parent[..., None], axis=1)  # (B, W, E)
         state = head.next_state(state, embed(token))
-    return Drafts(beams, None)
+    return Drafts(beams, None, mx.exp(steps))
 
 
 _COMPILED: dict = {}
@@ -75,8 +80,8 @@ def compiled_beam_search(head, embed: Embed, width: int, length: int):
     key = (id(head), id(embed), width, length)
     if key not in _COMPILED:
         def draft(hidden, token):
-            beams = beam_search(head, embed, hidden, token, width, length).beams
-            return beams, dedup_prefix(beams)
+            drafts = beam_search(head, embed, hidden, token, width, length)
+            return drafts.beams, dedup_prefix(drafts.beams), drafts.confidence
 
         _COMPILED[key] = mx.compile(draft)
     return _COMPILED[key]
@@ -88,14 +93,16 @@ def sample_beams(head, embed: Embed, hidden: mx.array, first_token: mx.array, wi
     acceptance rule needs drafts drawn from q, not chosen by beam search)."""
     state, hidden, beams = _start(head, embed, hidden, first_token, width)
     keys = mx.random.split(key, length) if key is not None else [None] * length
-    probs = []
+    probs, chosen = [], []
     for step in range(length - 1):
         logits = head.logits(state, hidden).astype(mx.float32) / temperature  # (B, W, K)
         probs.append(mx.softmax(logits, axis=-1))
-        token = head.draft_to_full[mx.random.categorical(logits, key=keys[step])]  # (B, W)
+        index = mx.random.categorical(logits, key=keys[step])  # (B, W) draft-vocabulary index
+        chosen.append(mx.take_along_axis(probs[-1], index[..., None], axis=-1)[..., 0])  # q(token)
+        token = head.draft_to_full[index]  # (B, W)
         beams = mx.concatenate([beams, token[..., None]], axis=-1)
         state = head.next_state(state, embed(token))
-    return Drafts(beams, mx.stack(probs, axis=2))  # probs (B, W, L-1, K)
+    return Drafts(beams, mx.stack(probs, axis=2), mx.stack(chosen, axis=2))  # (B, W, L-1, K), (B, W, L-1)
 
 
 def dedup_prefix(beams: mx.array) -> mx.array:

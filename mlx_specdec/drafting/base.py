@@ -31,6 +31,7 @@ class Proposal(NamedTuple):
     beams: mx.array  # (B, W, L) int32; [:, :, 0] is the target's own latest token
     owner: mx.array  # (B, W, L) int32: the first beam with the same prefix through each depth
     draft_probs: Optional[mx.array]  # (B, W, L-1, V) q of each drafted token; None when greedy
+    confidence: Optional[mx.array] = None  # (B, W, L-1) the proposer's probability of each drafted token
 
 
 class Proposer(Protocol):
@@ -48,7 +49,8 @@ def select_rows(proposal: Proposal, keep: np.ndarray) -> Proposal:
     """The proposal of the rows still decoding (a batch shrinks as rows finish)."""
     index = mx.array(keep)
     probs = None if proposal.draft_probs is None else proposal.draft_probs[index]
-    return Proposal(proposal.beams[index], proposal.owner[index], probs)
+    confidence = None if proposal.confidence is None else proposal.confidence[index]
+    return Proposal(proposal.beams[index], proposal.owner[index], probs, confidence)
 
 
 def one_hot_probs(beams: mx.array, vocab: int) -> mx.array:

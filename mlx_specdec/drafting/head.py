@@ -26,10 +26,11 @@ class HeadProposer:
     def propose(self, token: mx.array, hidden: Optional[mx.array]) -> Proposal:
         """token (B,): the target's own latest token; hidden (B, D): the state that produced it."""
         if self._search is not None:
-            beams, owner = self._search(hidden, token)
-            return Proposal(beams, owner, None)
+            beams, owner, confidence = self._search(hidden, token)
+            return Proposal(beams, owner, None, confidence)
         drafts = sample_beams(self.head, self.embed, hidden, token, self.width, self.length, self.temperature)
-        return Proposal(drafts.beams, dedup_prefix(drafts.beams), self._full_vocab(drafts.draft_probs))
+        return Proposal(drafts.beams, dedup_prefix(drafts.beams), self._full_vocab(drafts.draft_probs),
+                        drafts.confidence)
 
     def _full_vocab(self, draft_probs: mx.array) -> mx.array:
         """(B, W, L-1, K) draft-vocabulary distribution -> (B, W, L-1, V), zero outside it."""
