@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -26,4 +27,11 @@ def run_chat(args, params) -> int:
                   export_dir=Path(args.export_dir).expanduser() if args.export_dir else None,
                   theme="textual-light" if args.light else "textual-dark")
     app.run()
-    return app.return_code or 0
+    code = app.return_code or 0
+    # Leave now, past the interpreter's teardown: MLX streams that ended thread workers created can
+    # abort the process as it exits ("terminate called without an active exception", status 134;
+    # ml-explore/mlx#3126; seen here in about 1 exit in 3 after a generation). Nothing is lost:
+    # the conversation store commits as it writes, and Textual has restored the terminal.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -41,6 +41,8 @@ def add_parser(sub) -> None:
     p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (default: %(default)s)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this step (resume later)")
     p.add_argument("--skip-k-measure", action="store_true", help="skip the draft-vocabulary coverage/timing table")
+    p.add_argument("--data-only", action="store_true",
+                   help="generate (or resume) the distillation data and stop: a long run over sessions")
     p.set_defaults(func=cmd_train_drafter)
 
     p = sub.add_parser("train-apar", help="fine-tune an APAR adapter (LoRA + [Fork]/[Child]) for a model",
@@ -145,7 +147,7 @@ def cmd_train_drafter(args) -> int:
                       max_steps=args.max_steps, output=args.output_kind, feature_loss=args.feature_loss)
     run_pipeline(engine.lm, prompts, data_dir, Path(args.output), ckpt, cfg,
                  max_new_tokens=args.max_new_tokens, data_batch=args.data_batch,
-                 measure_k=not args.skip_k_measure, log=_log)
+                 measure_k=not args.skip_k_measure, log=_log, data_only=args.data_only)
     return 0
 
 

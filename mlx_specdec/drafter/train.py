@@ -355,8 +355,10 @@ def measure_draft_vocab(lm, train: Sequences, valid: Sequences, ks=(1024, 2048, 
 
 def run_pipeline(lm, prompts: Sequence[Path], data_dir: Path, output: Path, checkpoint_dir: Path,
                  cfg: TrainConfig, max_new_tokens: int = 192, data_batch: int = 32,
-                 measure_k: bool = True, log: Callable[[str], None] = print) -> Dict[str, object]:
-    """Distillation data (resumable) -> K measurement -> training (resumable) -> eval -> save."""
+                 measure_k: bool = True, log: Callable[[str], None] = print,
+                 data_only: bool = False) -> Dict[str, object]:
+    """Distillation data (resumable) -> K measurement -> training (resumable) -> eval -> save.
+    data_only: stop after the data (a long generation run, resumed later, trains nothing)."""
     from .data import DataConfig, generate_data, load_splits
 
     t0 = time.perf_counter()
@@ -367,6 +369,8 @@ def run_pipeline(lm, prompts: Sequence[Path], data_dir: Path, output: Path, chec
     train, valid = load_splits(directories, "train"), load_splits(directories, "valid")
     log(f"data: {len(train.offsets) - 1} train answers / {len(train.tokens)} tokens, "
         f"{len(valid.offsets) - 1} valid answers / {len(valid.tokens)} tokens")
+    if data_only:
+        return {"data": {"train_tokens": int(len(train.tokens)), "valid_tokens": int(len(valid.tokens))}}
     report: Dict[str, object] = {"data": {
         "train_answers": len(train.offsets) - 1, "train_tokens": int(len(train.tokens)),
         "valid_answers": len(valid.offsets) - 1, "valid_tokens": int(len(valid.tokens)),
