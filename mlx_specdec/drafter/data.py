@@ -145,8 +145,14 @@ def generate_data(lm, cfg: DataConfig, log=print) -> Dict[str, int]:
     splits = {"train": [r for r in rows if not is_validation(r["id"])],
               "valid": [r for r in rows if is_validation(r["id"])]}
     cfg.out.mkdir(parents=True, exist_ok=True)
-    (cfg.out / "meta.json").write_text(json.dumps({
+    meta_file = cfg.out / "meta.json"
+    if meta_file.exists():  # resuming: the shards keep the size they were cut with
+        shard_prompts = json.loads(meta_file.read_text()).get("shard_prompts", 32)
+    else:  # a batch never spans shards: a shard holds at least one batch
+        shard_prompts = max(cfg.shard_prompts, cfg.batch_size)
+    meta_file.write_text(json.dumps({
         "model": lm.name, "prompts": str(cfg.prompts), "max_new_tokens": cfg.max_new_tokens,
+        "shard_prompts": shard_prompts,
         "train_prompts": len(splits["train"]), "valid_prompts": len(splits["valid"]),
         "valid_ids": [r["id"] for r in splits["valid"]],
     }, indent=1))
@@ -156,7 +162,7 @@ def generate_data(lm, cfg: DataConfig, log=print) -> Dict[str, int]:
         (cfg.out / split).mkdir(exist_ok=True)
         # sort by prompt length inside the split so batches pad little
         srows = sorted(srows, key=lambda r: len(enc[r["id"]]))
-        for i, shard in enumerate(_shards(srows, cfg.shard_prompts)):
+        for i, shard in enumerate(_shards(srows, shard_prompts)):
             todo.append((split, cfg.out / split / f"shard-{i:04d}.npz", shard))
     pending = [t for t in todo if not t[1].exists()]
     log(f"{len(todo)} shards, {len(todo) - len(pending)} already done")
