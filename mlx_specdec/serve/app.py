@@ -1,0 +1,184 @@
+"""`mlx-specdec serve`: an OpenAI-compatible HTTP API over one loaded model (Starlette on uvicorn).
+
+    POST /v1/chat/completions   chat (streaming as server-sent events, or one JSON response)
+    POST /v1/completions        raw text completion
+    GET  /v1/models             the one served model
+    GET  /health                {"status": "ok", "waiting": queued requests}
+
+Every method of the engine, losslessly, picked per request (`method`, extension field). `usage`
+carries the token counts; `speculation` the method's figures (tokens per forward, drafts accepted
+of drafted, the method's own statistics). Requests queue first come first served on one
+generation thread (worker.py); a client that disconnects is stopped at its next event and its
+cache rolled back. The engine keeps the conversation prefix cache (a follow-up that repeats the
+earlier messages does not prefill them again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from typing import Optional
+
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from ..errors import UserError
+from .requests import ApiError, parse
+from .worker import DONE, GenerationWorker, Job
+
+
+def _speculation(stats) -> dict:
+    extra = {k: v for k, v in stats.extra.items() if isinstance(v, (int, float, str, bool))}
+    return dict(method=stats.method, forward_passes=stats.forward_passes,
+                tokens_per_forward=round(stats.tokens_per_forward, 3), drafted=stats.drafted,
+                accepted=stats.accepted, **extra)
+
+
+def _finish(stats) -> str:
+    return "length" if getattr(stats, "finish_reason", "") == "length" else "stop"
+
+
+def _usage(prompt_tokens: int, stats) -> dict:
+    completion = stats.generated_tokens if stats is not None else 0
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+def create_app(worker: GenerationWorker, method: str = "ar", api_key: Optional[str] = None) -> Starlette:
+    """worker: a GenerationWorker whose engine has loaded (`wait_ready`)."""
+    engine = worker.wait_ready()
+    model_id = engine.lm.name
+    methods = list(engine.methods)
+
+    def error(exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    def authorised(request: HttpRequest) -> bool:
+        return api_key is None or request.headers.get("authorization", "") == f"Bearer {api_key}"
+
+    async def read(request: HttpRequest, chat: bool):
+        if not authorised(request):
+            raise ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
+                           kind="authentication_error", code="invalid_api_key")
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the body is not valid JSON: {exc}")
+        # the base model's tokenizer and window (no MLX here: an APAR adapter loads on the generation thread)
+        return parse(body, engine.lm, model_id, methods, method, chat)
+
+    async def complete(request: HttpRequest, chat: bool):
+        try:
+            req = await read(request, chat)
+        except ApiError as exc:
+            return error(exc)
+        job = worker.submit(Job(req.prompt_ids, req.method, req.params, asyncio.get_running_loop()))
+        ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        kind = "chat.completion" if chat else "text_completion"
+        if req.stream:
+            return StreamingResponse(_stream(request, job, req, ident, created, kind, chat, model_id),
+                                     media_type="text/event-stream")
+        text, stats = [], None
+        try:
+            while True:
+                item = await job.events.get()
+                if item is DONE:
+                    break
+                if isinstance(item, Exception):
+                    return error(_as_api_error(item))
+                if item.kind == "token" and item.thread_id == 0:
+                    text.append(item.text)
+                elif item.kind == "done":
+                    stats = item.stats
+        except asyncio.CancelledError:
+            job.cancelled.set()
+            raise
+        content = "".join(text)
+        choice = {"index": 0, "finish_reason": _finish(stats), "logprobs": None}
+        choice.update({"message": {"role": "assistant", "content": content}} if chat else {"text": content})
+        body = {"id": ident, "object": kind, "created": created, "model": model_id, "choices": [choice],
+                "usage": _usage(len(req.prompt_ids), stats)}
+        if stats is not None:
+            body["speculation"] = _speculation(stats)
+        return JSONResponse(body)
+
+    async def chat_completions(request: HttpRequest):
+        return await complete(request, chat=True)
+
+    async def completions(request: HttpRequest):
+        return await complete(request, chat=False)
+
+    async def models(request: HttpRequest):
+        if not authorised(request):
+            return error(ApiError(401, "a valid API key is required", kind="authentication_error",
+                                  code="invalid_api_key"))
+        return JSONResponse({"object": "list", "data": [{"id": model_id, "object": "model", "created": 0,
+                                                         "owned_by": "mlx-specdec"}]})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        worker.stop()  # the generation thread ends after the request it is on
+
+    async def health(request: HttpRequest):
+        return JSONResponse({"status": "ok", "model": model_id, "waiting": worker.waiting})
+
+    app = Starlette(routes=[Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+                            Route("/v1/completions", completions, methods=["POST"]),
+                            Route("/v1/models", models, methods=["GET"]),
+                            Route("/health", health, methods=["GET"])],
+                    lifespan=lifespan)
+    return app
+
+
+def _as_api_error(exc: Exception) -> ApiError:
+    if isinstance(exc, UserError):
+        return ApiError(400, str(exc))
+    return ApiError(500, f"{type(exc).__name__}: {exc}", kind="server_error")
+
+
+async def _stream(request: HttpRequest, job: Job, req, ident: str, created: int, kind: str, chat: bool, model_id: str):
+    """Server-sent events: one chunk per text delta, a last chunk with the finish reason, the usage
+    (with stream_options.include_usage), then [DONE]. A client gone at a chunk cancels the job."""
+    def chunk(delta: Optional[str], finish: Optional[str] = None, extra: Optional[dict] = None) -> str:
+        if chat:
+            choice = {"index": 0, "delta": {} if delta is None else {"content": delta}, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": delta or "", "finish_reason": finish}
+        body = {"id": ident, "object": kind + ".chunk" if chat else kind, "created": created, "model": model_id,
+                "choices": [choice]}
+        body.update(extra or {})
+        return f"data: {json.dumps(body)}\n\n"
+
+    stats = None
+    try:
+        if chat:
+            yield f"data: {json.dumps({'id': ident, 'object': kind + '.chunk', 'created': created, 'model': model_id, 'choices': [{'index': 0, 'delta': {'role': 'assistant', 'content': ''}, 'finish_reason': None}]})}\n\n"
+        while True:
+            item = await job.events.get()
+            if item is DONE:
+                break
+            if isinstance(item, Exception):
+                yield f"data: {json.dumps(_as_api_error(item).body())}\n\n"
+                break
+            if item.kind == "token" and item.thread_id == 0 and item.text:
+                yield chunk(item.text)
+            elif item.kind == "done":
+                stats = item.stats
+            if await request.is_disconnected():
+                job.cancelled.set()
+                return
+        yield chunk(None, _finish(stats), {"speculation": _speculation(stats)} if stats is not None else None)
+        if req.include_usage:
+            usage = {"id": ident, "object": kind + ".chunk" if chat else kind, "created": created, "model": model_id,
+                     "choices": [], "usage": _usage(len(req.prompt_ids), stats)}
+            yield f"data: {json.dumps(usage)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        if stats is None:  # the response ended early (client gone, server stopping): stop the job
+            job.cancelled.set()

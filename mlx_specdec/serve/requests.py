@@ -1,0 +1,124 @@
+"""OpenAI request bodies -> what the engine runs, and errors in OpenAI's shape.
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
+
+400 for a malformed body or a bad field, 401 without the API key, 404 for another model's name,
+413 for a prompt past the context window. Standard fields: model, messages (chat) or prompt
+(completions), max_tokens / max_completion_tokens, temperature, top_p, seed, stop, stream,
+stream_options.include_usage, n (1 only). Extensions: `method` (ar, redrafter, apar, triforce, ...)
+and that method's settings by their option names (beam_width, budget, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from ..decoding import GenerationParams
+
+DEFAULT_MAX_TOKENS = 256
+METHOD_OPTIONS = {"beam_width", "beam_length", "draft_cutoff", "max_threads", "max_depth", "fork_probe", "budget",
+                  "gamma", "bottom", "draft_length", "middle_cache", "score_window", "score_reduce",
+                  "rebuild_stride", "rebuild_below"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: Optional[str] = None, kind: str = "invalid_request_error",
+                 code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Request:
+    prompt_ids: List[int]
+    method: str
+    params: GenerationParams
+    stream: bool
+    include_usage: bool
+
+
+def _number(body: dict, name: str, kind, low=None, high=None, low_open=False):
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise ApiError(400, f"'{name}' must be {'an integer' if kind is int else 'a number'}", name)
+    if low is not None and (value <= low if low_open else value < low):
+        raise ApiError(400, f"'{name}' must be {'greater than' if low_open else 'at least'} {low}", name)
+    if high is not None and value > high:
+        raise ApiError(400, f"'{name}' must be at most {high}", name)
+    return kind(value)
+
+
+def _messages(body: dict) -> List[Dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant"):
+            raise ApiError(400, f"messages[{i}] needs a role of system, user or assistant", f"messages[{i}].role")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+            content = "".join(p.get("text", "") for p in content)
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string", f"messages[{i}].content")
+        out.append({"role": message["role"], "content": content})
+    return out
+
+
+def parse(body, lm, model_id: str, methods: List[str], default_method: str, chat: bool) -> Request:
+    """A validated request; raises ApiError."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != model_id:
+        raise ApiError(404, f"the model '{model}' does not exist here; this server serves '{model_id}'", "model",
+                       code="model_not_found")
+    n = _number(body, "n", int, 1, 1)
+    if n not in (None, 1):
+        raise ApiError(400, "'n' must be 1", "n")
+    max_tokens = _number(body, "max_completion_tokens", int) or _number(body, "max_tokens", int)
+    for name in ("max_completion_tokens", "max_tokens"):
+        if body.get(name) is not None and body[name] <= 0:
+            raise ApiError(400, f"'{name}' must be positive", name)
+    temperature = _number(body, "temperature", float, 0.0, 2.0)
+    top_p = _number(body, "top_p", float, 0.0, 1.0, low_open=True)
+    seed = _number(body, "seed", int)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) for s in stop)):
+        raise ApiError(400, "'stop' must be a string or a list of up to 4 strings", "stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be a boolean", "stream")
+    method = body.get("method", default_method)
+    if method not in methods:
+        raise ApiError(400, f"unknown method '{method}' (this server runs {', '.join(methods)})", "method")
+    options = {k: v for k, v in body.items() if k in METHOD_OPTIONS}
+    if chat:
+        ids = lm.encode_chat(_messages(body))
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise ApiError(400, "'prompt' must be a non-empty string", "prompt")
+        ids = lm.encode_prompt(prompt, chat=False)
+    window = lm.context_length
+    wanted = max_tokens or DEFAULT_MAX_TOKENS
+    if len(ids) >= window:
+        raise ApiError(413, f"the prompt has {len(ids)} tokens; the context window of {model_id} is {window}",
+                       "messages" if chat else "prompt", code="context_length_exceeded")
+    params = GenerationParams(max_tokens=min(wanted, window - len(ids)), temperature=temperature or 0.0,
+                              top_p=top_p if top_p is not None else 1.0, seed=seed, stop=tuple(stop or ()),
+                              options=options)
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+    return Request(ids, method, params, stream, include_usage)

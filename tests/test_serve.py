@@ -1,0 +1,218 @@
+"""`mlx-specdec serve`: the real server (uvicorn) on a free localhost port, talked to with the
+official `openai` client and raw HTTP: answers equal `generate`'s, streaming and not, every
+method, stop strings, OpenAI-shaped errors, the API key, a client that leaves mid-stream, and a
+bounded concurrent load. Every request and the server itself have timeouts."""
+
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from conftest import save_tiny_model_dir  # noqa: E402
+
+KEY = "test-key"
+PROMPT = "w3 w5 w7 w9 w3 w5 w7"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = save_tiny_model_dir(tmp_path_factory.mktemp("serve") / "tiny", seed=5)  # served as "tiny"
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "mlx_specdec.cli", "serve", "-m", str(model), "--port", str(port),
+                                "--api-key", KEY],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(base + "/health", timeout=2)
+            break
+        except OSError:
+            assert process.poll() is None, process.stdout.read()
+            time.sleep(0.2)
+    else:
+        process.kill()
+        pytest.fail("the server did not start")
+    yield dict(base=base, model=str(model), process=process)
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+def client(server, key=KEY):
+    return openai.OpenAI(base_url=server["base"] + "/v1", api_key=key, timeout=60, max_retries=0)
+
+
+def generate(server, *extra):
+    out = subprocess.run([sys.executable, "-m", "mlx_specdec.cli", "generate", "-m", server["model"], "-p", PROMPT,
+                          "--max-tokens", "12", *extra], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.rstrip("\n")
+
+
+def test_chat_answers_equal_generate_streaming_and_not(server):
+    want = generate(server)
+    c = client(server)
+    messages = [{"role": "user", "content": PROMPT}]
+    reply = c.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    assert reply.choices[0].message.content == want
+    assert reply.usage.completion_tokens == 12 and reply.usage.prompt_tokens > 0
+    assert reply.choices[0].finish_reason == "length"
+    chunks = list(c.chat.completions.create(model="tiny", messages=messages, max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
+    assert chunks[-1].usage.completion_tokens == 12
+    assert [m.id for m in c.models.list().data] == ["tiny"]
+
+
+@pytest.mark.parametrize("method,options", [("mlx-lm", {}), ("triforce", {"budget": 16, "gamma": 3})])
+def test_other_methods_by_the_method_field_write_the_same_answer(server, method, options):
+    want = generate(server)
+    reply = client(server).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=12,
+        extra_body={"method": method, **options})
+    assert reply.choices[0].message.content == want
+    assert reply.model_extra["speculation"]["method"] == method
+
+
+def test_a_method_the_model_cannot_run_is_a_400_and_the_server_goes_on(server):
+    with pytest.raises(openai.BadRequestError, match="apar needs a model with"):
+        client(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+                                               max_tokens=4, extra_body={"method": "apar"})
+    assert client(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+                                                  max_tokens=12).choices[0].message.content == generate(server)
+
+
+def test_completions_and_stop_strings(server):
+    c = client(server)
+    raw = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=12)
+    assert raw.choices[0].text and raw.usage.prompt_tokens == len(PROMPT.split())
+    messages = [{"role": "user", "content": PROMPT}]
+    text = c.chat.completions.create(model="tiny", messages=messages, max_tokens=12).choices[0].message.content
+    words = text.split()
+    assert len(words) >= 3
+    stop = " " + words[2]
+    cut = c.chat.completions.create(model="tiny", messages=messages, max_tokens=12, stop=stop)
+    assert cut.choices[0].message.content == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def post(server, body, key=KEY, raw=None):
+    """(status, JSON body) of a raw POST to /v1/chat/completions."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    request = urllib.request.Request(server["base"] + "/v1/chat/completions", method="POST", headers=headers,
+                                     data=raw if raw is not None else json.dumps(body).encode())
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+@pytest.mark.parametrize("body,raw,key,status,words", [
+    (None, b"{not json", KEY, 400, "not valid JSON"),
+    ({"messages": []}, None, KEY, 400, "'messages' must be a non-empty list"),
+    ({"messages": [{"role": "user", "content": 5}]}, None, KEY, 400, "content must be a string"),
+    ({"messages": [{"role": "user", "content": "hi"}], "method": "nope"}, None, KEY, 400, "unknown method 'nope'"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, None, KEY, 400, "'max_tokens' must be positive"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, None, KEY, 400, "must be a number"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, None, KEY, 400, "'n' must be"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, None, KEY, 404, "does not exist"),
+    ({"messages": [{"role": "user", "content": "w1 " * 600}]}, None, KEY, 413, "context window"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, None, None, 401, "API key"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, None, "wrong", 401, "API key"),
+])
+def test_bad_requests_get_openai_shaped_errors_and_the_server_keeps_serving(server, body, raw, key, status, words):
+    code, reply = post(server, body, key=key, raw=raw)
+    assert code == status
+    error = reply["error"]
+    assert words in error["message"] and set(error) == {"message", "type", "param", "code"}
+    assert client(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w4"}],
+                                                  max_tokens=2).choices[0].message.content
+
+
+def test_a_client_that_leaves_mid_stream_does_not_disturb_the_next_request(server):
+    want = generate(server)
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 400, "stream": True}
+    host, port = server["base"].rsplit("//", 1)[1].split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    connection.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    response = connection.getresponse()
+    seen = b""
+    while b'"content": "w' not in seen:  # the first tokens arrived: leave
+        seen += response.read1(256)
+    connection.sock.close()  # gone mid-stream, without reading the rest
+    reply = client(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+                                                   max_tokens=12)
+    assert reply.choices[0].message.content == want
+
+
+def test_concurrent_clients_each_get_their_own_complete_answer(server):
+    """16 clients x 4 requests (bounded, localhost): every answer complete and its own."""
+    prompts = [f"w{3 + i % 40} w{7 + i % 30} w{11 + i % 20}" for i in range(16)]
+    c = client(server)
+    want = {p: c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}],
+                                         max_tokens=6).choices[0].message.content for p in set(prompts)}
+
+    def ask(prompt):
+        out = []
+        for _ in range(4):
+            stream = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                               max_tokens=6, stream=True)
+            out.append("".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices))
+        return prompt, out
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(ask, prompts, timeout=240))
+    for prompt, answers in results:
+        assert answers == [want[prompt]] * 4
+
+
+@pytest.mark.slow
+def test_the_default_model_serves_redrafter_and_apar():
+    """The real default model: redrafter's answer is generate's (lossless), apar answers with its
+    threads in `speculation`."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "mlx_specdec.cli", "serve", "--port", str(port)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert process.poll() is None, process.stdout.read()
+                time.sleep(0.5)
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120, max_retries=0)
+        question = "Give three tips for staying focused while studying."
+        want = subprocess.run([sys.executable, "-m", "mlx_specdec.cli", "generate", "-p", question, "--max-tokens", "24"],
+                              capture_output=True, text=True, timeout=120).stdout.rstrip("\n")
+        messages = [{"role": "user", "content": question}]
+        spec = c.chat.completions.create(model="SmolLM2-135M-Instruct-f16", messages=messages, max_tokens=24,
+                                         extra_body={"method": "redrafter"})
+        assert spec.choices[0].message.content == want
+        assert spec.model_extra["speculation"]["tokens_per_forward"] > 1.0
+        apar = c.chat.completions.create(model="SmolLM2-135M-Instruct-f16", messages=messages, max_tokens=24,
+                                         extra_body={"method": "apar"})
+        assert apar.choices[0].message.content and apar.model_extra["speculation"]["method"] == "apar"
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
