@@ -79,7 +79,6 @@ class Sim:
             head_jobs.append(("stage0", run, self.work(0, tokens)))
 
         def start_base():
-            nonlocal chain_ready
             if self.method == "pp-spec" or (self.method == "pipeinfer" and self.base_drafts):
                 head_jobs.append(("draft", None, self.draft_ms))
             else:

@@ -31,9 +31,10 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, Dict, Iterator, List, Optional
+from typing import Deque, Iterator, List, Optional
 
 import mlx.core as mx
+import numpy as np
 
 from ..acceptance import sample_token
 from .link import CANCEL, HELLO, RESULT, RUN, SKIPPED, STOP, TRIM, Inbox, Message, Outbox, RankFailure
@@ -260,10 +261,13 @@ class Head:
             return None
         rows = message.payload  # (K, 1|V [+ D])
         hidden_width = self.stage.hidden_size if self.flags & 1 else 0
-        return self._walk(run, rows, hidden_width, [])
+        return self._walk(run, rows, hidden_width)
 
-    def _walk(self, run: Run, rows: mx.array, hidden_width: int, committed: List[int]):
+    def _walk(self, run: Run, rows: mx.array, hidden_width: int):
+        committed: List[int] = []
         last = None
+        # greedy: the run's tokens in one host sync, not one per row
+        greedy_ids = None if self.flags & 2 or rows is None else np.array(rows[:, 0]).astype(np.int64)
         for j in range(run.want_from, run.count):
             p = run.start + j + 1  # the position this row's token goes to
             row = rows[j - run.want_from]
@@ -272,7 +276,7 @@ class Head:
                 y = int(sample_token(logits - mx.logsumexp(logits), self.settings.temperature,
                                      self.settings.top_p).item())  # host sync: the sampled token
             else:
-                y = int(row[0].item())  # host sync: the target's token
+                y = int(greedy_ids[j - run.want_from])
             if hidden_width:  # the drafter continues from the newest committed token
                 last = (row[row.shape[0] - hidden_width:], y, p)
             drafted_here = p < len(self.seq)
@@ -288,15 +292,15 @@ class Head:
             if p < len(self.seq):  # a draft, rejected: everything in flight after p is wrong
                 self.counts["rejected_drafts"] += 1
                 self._cancel_after(p)
-                self._observe(last)
+                self._hold_for_drafter(last)
                 return committed, False
             self.seq.append(y)  # nothing was drafted there: the run's bonus token
-            self._observe(last)
+            self._hold_for_drafter(last)
             return committed, True
-        self._observe(last)
+        self._hold_for_drafter(last)
         return committed, True
 
-    def _observe(self, last) -> None:
+    def _hold_for_drafter(self, last) -> None:
         """Kept for `_draft_ready`: pipeinfer launches the known token before the drafter runs."""
         if last is not None:
             self.pending_observe = last
