@@ -169,6 +169,44 @@ def test_a_rank_that_dies_or_hangs_ends_the_run_in_seconds_with_one_line_and_no_
     assert _rank_pids(0) == [] and _rank_pids(1) == []
 
 
+@pytest.mark.parametrize("second,words,freeze", [
+    ({"ssh": "127.0.0.1", "ips": ["192.0.2.1"]}, "rank 1: cannot join the ring", False),  # not this host's address
+    ({"ssh": "192.0.2.1", "ips": ["192.0.2.1"]}, "rank 1 exited with code 255|did not connect", False),  # ssh fails
+    ({"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}, "did not connect within 8 s", True),  # rank 1 hangs before joining
+])
+def test_ranks_that_cannot_connect_end_in_seconds_with_one_line_and_no_rank_left(tiny, tmp_path, second, words, freeze):
+    """A hostfile whose second host is not where it says (192.0.2.1: TEST-NET-1, RFC 5737, no
+    machine has it), or a rank stopped before it joins the ring: the run ends with one line within
+    the connect deadline, not the run's timeout."""
+    import json
+    import threading
+    from mlx_specdec.distributed.launch import run_pipeline
+
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}, second]))
+    job = dict(model=str(tiny.path), drafter=dict(kind="none"), timeout=20,
+               jobs=[dict(prompt=PROMPT, settings=dict(method="pp-ar", max_tokens=4))])
+    frozen = []
+
+    def freeze_rank_1():  # SIGSTOP rank 1 as soon as it exists: Python is still starting, far from init
+        deadline = time.monotonic() + 20
+        while not frozen and time.monotonic() < deadline:
+            for pid in _rank_pids(1):
+                os.kill(pid, signal.SIGSTOP)
+                frozen.append(pid)
+            time.sleep(0.005)
+
+    if freeze:
+        threading.Thread(target=freeze_rank_1, daemon=True).start()
+    began = time.monotonic()
+    with pytest.raises(UserError, match=words) as caught:
+        run_pipeline(job, hostfile=str(hostfile), timeout=300, connect_timeout=8)
+    assert frozen or not freeze
+    assert time.monotonic() - began < 40 and "\n" not in str(caught.value)
+    time.sleep(0.5)
+    assert _rank_pids(0) == [] and _rank_pids(1) == []
+
+
 def test_a_rank_with_another_model_is_one_line(tiny, tmp_path):
     from mlx_specdec.distributed.launch import run_pipeline
 

@@ -71,8 +71,10 @@ def check_hostfile(path: str) -> int:
 
 
 def run_pipeline(job: dict, ranks: int = 2, hostfile: Optional[str] = None, timeout: float = 600.0,
-                 on_event: Optional[Callable[[dict], None]] = None) -> List[dict]:
-    """Run `job` (see rank.py) on the ranks; returns the head's events in order."""
+                 on_event: Optional[Callable[[dict], None]] = None, connect_timeout: float = 60.0) -> List[dict]:
+    """Run `job` (see rank.py) on the ranks; returns the head's events in order. The ranks must
+    connect (`mx.distributed.init` returns on the head) within connect_timeout seconds, and the
+    whole run end within timeout."""
     if hostfile:
         ranks = check_hostfile(hostfile)
     if ranks < 2:
@@ -94,14 +96,22 @@ def run_pipeline(job: dict, ranks: int = 2, hostfile: Optional[str] = None, time
                      daemon=True).start()
     events: List[dict] = []
     other: List[str] = []
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
+    connected = False
     error: Optional[str] = None
     try:
         while True:
+            until = deadline if connected else min(deadline, started + connect_timeout)
             try:
-                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+                line = lines.get(timeout=max(0.1, until - time.monotonic()))
             except queue.Empty:
-                error = f"the ranks ran past {timeout:g} s and were stopped"
+                if connected:
+                    error = f"the ranks ran past {timeout:g} s and were stopped"
+                else:
+                    error = (f"the ranks did not connect within {connect_timeout:g} s: is every host of the "
+                             "hostfile reachable at its 'ips', and no firewall in the way of the ports?")
+                    error = _rank_line(other) or error
                 break
             if line is None:
                 break
@@ -110,6 +120,9 @@ def run_pipeline(job: dict, ranks: int = 2, hostfile: Optional[str] = None, time
                     other.append(line.strip())
                 continue
             event: Dict = json.loads(line[len(MARK):])
+            if "connected" in event:
+                connected = True
+                continue
             if "error" in event:
                 error = event["error"]
                 break
@@ -122,13 +135,27 @@ def run_pipeline(job: dict, ranks: int = 2, hostfile: Optional[str] = None, time
         _stop(process)
         os.unlink(job_path)
     if error is None and not any(e.get("done") for e in events):
-        import re
-
-        tail = [line for line in other if re.match(r"rank \d+:", line)] or other
-        error = tail[-1] if tail else f"the ranks ended early (exit {process.returncode})"
+        error = _rank_line(other) or (other[-1] if other else f"the ranks ended early (exit {process.returncode})")
     if error is not None:
         raise UserError(f"pipeline: {error}")
     return events
+
+
+def _rank_line(lines: List[str]) -> Optional[str]:
+    """The last line a rank wrote about itself ("rank N: ..."), else the first rank that
+    `mlx.launch` saw exit (the others are stopped after it), if any."""
+    import re
+
+    mine = [line for line in lines if re.match(r"rank \d+:", line)]
+    if mine:
+        return mine[-1]
+    for line in lines:
+        exited = re.search(r"Node with rank (\d+) exited with code (-?\d+)", line)
+        if exited:
+            rank, code = exited.groups()
+            why = " (ssh could not reach its host)" if code == "255" else ""
+            return f"rank {rank} exited with code {code}{why} before it said why"
+    return None
 
 
 def _stop(process: subprocess.Popen) -> None:

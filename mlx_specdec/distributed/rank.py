@@ -79,8 +79,15 @@ def main(job_path: str) -> None:
     import mlx.core as mx
 
     threads = set(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else set()
-    group = mx.distributed.init()
+    try:
+        group = mx.distributed.init()
+    except RuntimeError as error:  # e.g. "[ring] Couldn't bind socket": an address not on this host
+        print(f"rank {os.environ.get('MLX_RANK', '?')}: cannot join the ring ({error}): is this host at the "
+              "address the hostfile gives it?", file=sys.stderr, flush=True)
+        os._exit(1)
     rank, ranks = group.rank(), group.size()
+    if rank == 0:  # the launcher's connect deadline ends here (launch.py)
+        emit({"connected": ranks})
     if job.get("quiet_ring", True):
         quiet_ring_threads(threads)
     from ..errors import UserError
