@@ -10,10 +10,11 @@ Everything the CLI, the bench and the chat app do goes through `Engine.generate`
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 from .cache.prefix import PrefixStore
 from .decoding import STRATEGIES, Event, GenerationParams, stream_events
+from .decoding.batch import stream_batch
 from .errors import UserError
 from .model.loader import LoadedModel, load_model
 
@@ -154,16 +155,21 @@ class Engine:
                              params or GenerationParams(), method, resources=self._resources_for(method))
 
     def generate_ids_batch(self, prompts_ids: List[List[int]], method: str = "redrafter",
-                           params: Optional[GenerationParams] = None) -> Iterator[Event]:
-        """Several prompts decoded together; each row's events carry thread_id = its index."""
+                           params: Optional[GenerationParams] = None,
+                           rows: Optional[List[GenerationParams]] = None,
+                           cancelled: Optional[Callable[[int], bool]] = None) -> Iterator[Event]:
+        """Several prompts decoded together; each row's events carry thread_id = its index, and a
+        row that ends gets a `thread_end` event with its own stats (decoding/batch.py). rows: each
+        row's max_tokens and stop strings (the sampling settings are `params`'); cancelled(row):
+        true once that row's request is abandoned (it leaves the batch at the next step)."""
         check_method(method)
         if method not in BATCH_METHODS:
             raise UserError(f"method {method!r} decodes one prompt at a time "
                             f"(batches: {', '.join(sorted(BATCH_METHODS))})")
         if not prompts_ids:
             raise UserError("empty batch")
-        return stream_events(self.lm, list(prompts_ids[0]), STRATEGIES[method], params or GenerationParams(),
-                             method, resources=self._resources_for(method), batch=prompts_ids)
+        return stream_batch(self.lm, prompts_ids, STRATEGIES[method], params or GenerationParams(), method,
+                            resources=self._resources_for(method), rows=rows, cancelled=cancelled)
 
     def generate_batch(self, prompts: List[str], method: str = "redrafter",
                        params: Optional[GenerationParams] = None, chat_template: bool = True) -> Iterator[Event]:

@@ -31,10 +31,15 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model = save_tiny_model_dir(tmp_path_factory.mktemp("serve") / "tiny", seed=5)  # served as "tiny"
+    from mlx_specdec.drafter.head import save_drafter
+    from test_redrafter import random_head
+
+    root = tmp_path_factory.mktemp("serve")
+    model = save_tiny_model_dir(root / "tiny", seed=5)  # served as "tiny"
+    drafter = save_drafter(random_head(None, draft_vocab=97), root / "head")  # a random ReDrafter head
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "mlx_specdec.cli", "serve", "-m", str(model), "--port", str(port),
-                                "--api-key", KEY],
+                                "--api-key", KEY, "--drafter", str(drafter), "--max-batch", "4"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 60
@@ -48,7 +53,7 @@ def server(tmp_path_factory):
     else:
         process.kill()
         pytest.fail("the server did not start")
-    yield dict(base=base, model=str(model), process=process)
+    yield dict(base=base, model=str(model), process=process, drafter=str(drafter))
     process.terminate()
     try:
         process.wait(timeout=10)
@@ -185,6 +190,36 @@ def test_concurrent_clients_each_get_their_own_complete_answer(server):
         assert answers == [want[prompt]] * 4
 
 
+def test_concurrent_redrafter_requests_are_decoded_together_each_with_its_own_answer(server):
+    """While one long request decodes, six redrafter requests with their own max_tokens and stop
+    strings queue up; they are decoded as rows of batches of at most --max-batch 4, and every
+    answer is the one `generate` writes for it alone."""
+    prompts = [f"w{5 + 7 * i} w{9 + 3 * i} w{2 + i}" for i in range(6)]
+    limits = [4, 9, 6, 12, 5, 10]
+    drafter = ("--drafter", server["drafter"], "--method", "redrafter")
+    want = [generate(server, *drafter, "--max-tokens", str(m), "-p", p) for p, m in zip(prompts, limits)]
+    c = client(server)
+
+    def ask(i):
+        if i < 0:  # the long request that keeps the generation thread busy while the others queue
+            return c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+                                             max_tokens=400)
+        time.sleep(0.3)
+        return c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompts[i]}],
+                                         max_tokens=limits[i], extra_body={"method": "redrafter"})
+
+    with ThreadPoolExecutor(7) as pool:
+        replies = list(pool.map(ask, [-1] + list(range(6)), timeout=240))[1:]
+    assert [r.choices[0].message.content for r in replies] == want
+    assert [r.usage.completion_tokens for r in replies] == [len(w.split()) for w in want]
+    sizes = [r.model_extra["speculation"]["batch_size"] for r in replies]
+    assert max(sizes) > 1 and max(sizes) <= 4, sizes
+    stop = " " + want[3].split()[4]  # a row's stop string ends that row only
+    cut = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompts[3]}], max_tokens=12,
+                                    stop=stop, extra_body={"method": "redrafter"})
+    assert cut.choices[0].message.content == want[3][: want[3].index(stop)]
+
+
 @pytest.mark.slow
 def test_the_default_model_serves_redrafter_and_apar():
     """The real default model: redrafter's answer is generate's (lossless), apar answers with its
@@ -216,3 +251,48 @@ def test_the_default_model_serves_redrafter_and_apar():
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+def start_server(model, port, *extra):
+    process = subprocess.Popen([sys.executable, "-m", "mlx_specdec.cli", "serve", "-m", model, "--port", str(port), *extra],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return process
+        except OSError:
+            if process.poll() is not None:
+                return process
+            time.sleep(0.2)
+    process.kill()
+    pytest.fail("the server did not start")
+
+
+def test_ctrl_c_mid_answer_stops_the_server_at_once_and_cleanly(server):
+    import signal
+
+    port = free_port()
+    process = start_server(server["model"], port)
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 480, "stream": True}
+        connection.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                           headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert b"data:" in response.read1(256)  # an answer is streaming
+        started = time.time()
+        process.send_signal(signal.SIGINT)
+        out, _ = process.communicate(timeout=20)
+        assert process.returncode == 0 and time.time() - started < 10, out
+        assert out.rstrip().endswith("stopped") and "Traceback" not in out, out
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_a_port_in_use_is_one_clear_line(server):
+    port = int(server["base"].rsplit(":", 1)[1])
+    process = start_server(server["model"], port)
+    out, _ = process.communicate(timeout=30)
+    assert process.returncode != 0 and f"port {port}" in out and "Traceback" not in out, out

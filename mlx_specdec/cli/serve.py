@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from ..errors import UserError
@@ -23,6 +24,9 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 requests (default: none)")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="at most this many waiting requests decoded together where the method batches "
+                        "(redrafter; 1 = one request at a time; default: 8)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -32,6 +36,8 @@ def cmd_serve(args) -> int:
     check_method(args.method)
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be 1-65535, not {args.port}")
+    if args.max_batch < 1:
+        raise UserError(f"--max-batch must be at least 1, not {args.max_batch}")
     try:
         import uvicorn
 
@@ -39,12 +45,58 @@ def cmd_serve(args) -> int:
         from ..serve.worker import GenerationWorker
     except ImportError as exc:
         raise UserError(f"serve needs starlette and uvicorn ({exc.name} is missing): pip install starlette uvicorn")
+    _check_port_free(args.host, args.port)  # before the model loads, not after
     if args.drafter == "none":
         args.drafter = None
     # the engine loads on the generation thread, which makes every MLX call (serve/worker.py)
-    worker = GenerationWorker(lambda: load_engine(args, reuse_prefix=True))
+    worker = GenerationWorker(lambda: load_engine(args, reuse_prefix=True), max_batch=args.max_batch)
     app = create_app(worker, method=args.method, api_key=args.api_key)
     print(f"serving {worker.engine.lm.name} ({args.method}) on http://{args.host}:{args.port}/v1 (Ctrl-C stops)",
           file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    return 0
+    server = _server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"), worker)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn raises the signal it caught again once it has shut down
+        pass
+    worker.stop()
+    worker.join(timeout=10)
+    print("stopped", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    # Leave without the interpreter's teardown: MLX streams of the ended generation thread abort
+    # the process at exit (ml-explore/mlx#3126, as the chat app).
+    os._exit(0)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise UserError(f"--host {host}: {exc.strerror}")
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise UserError(f"cannot listen on {host} port {port}: {exc.strerror} "
+                            "(another server there? pick another --port)")
+
+
+def _server(config, worker):
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """Ctrl-C (or SIGTERM) stops every request at its next token, then uvicorn's own graceful
+        shutdown closes the connections: no wait for a long answer to finish."""
+
+        def __init__(self, config, worker):
+            super().__init__(config)
+            self.worker = worker
+
+        def handle_exit(self, sig, frame):
+            self.worker.cancel_all()
+            super().handle_exit(sig, frame)
+
+    return Server(config, worker)

@@ -134,6 +134,7 @@ class DecodeContext:
     prefill_done_at: float = 0.0
     resources: Dict[str, object] = field(default_factory=dict)  # e.g. {"drafter": DrafterHead}
     prompts: List[List[int]] = field(default_factory=list)  # a batch: one prompt per row (thread)
+    stopped_rows: set = field(default_factory=set)  # a batch's rows whose request has ended (batch.py)
 
 
 def make_sampler(params: GenerationParams) -> Callable[[mx.array], mx.array]:
@@ -278,28 +279,20 @@ def stream_events(
     params: GenerationParams,
     method_name: str,
     resources: Optional[Dict[str, object]] = None,
-    batch: Optional[List[List[int]]] = None,
 ) -> Iterator[Event]:
-    """Drive `strategy` and turn its steps into events.
-
-    Single prompt: thread 0's EOS or stop string ends the stream; max_tokens counts every thread's
-    tokens (APAR's threads write one answer). Batch (`batch` = one prompt per row, thread id = row):
-    each row stops on its own EOS / stop string / max_tokens; the stream ends when all rows have.
-    """
-    prompts = [list(p) for p in batch] if batch else [list(prompt)]
-    if not all(prompts):
+    """Drive `strategy` and turn its steps into events: thread 0's EOS or stop string ends the
+    stream; max_tokens counts every thread's tokens (APAR's threads write one answer). A batch of
+    prompts, one request per row, is `batch.stream_batch`."""
+    if not prompt:
         raise ValueError("empty prompt")
-    max_tokens = min(check_context(lm, p, params) for p in prompts)
+    max_tokens = check_context(lm, prompt, params)
     if params.seed is not None:
         mx.random.seed(params.seed)
-    stats = GenerationStats(method=method_name, prompt_tokens=sum(len(p) for p in prompts))
-    ctx = DecodeContext(lm, prompts[0], params, make_sampler(params), stats,
-                        resources=resources or {}, prompts=prompts)
+    stats = GenerationStats(method=method_name, prompt_tokens=len(prompt))
+    ctx = DecodeContext(lm, list(prompt), params, make_sampler(params), stats,
+                        resources=resources or {}, prompts=[list(prompt)])
     eos = lm.eos_token_ids
-    per_row = batch is not None
     texts: Dict[int, _ThreadText] = {}
-    counts: Dict[int, int] = {}
-    stopped: set = set()
     start = time.perf_counter()
     first_token_at = last_token_at = None
     steps = strategy(ctx)
@@ -310,19 +303,15 @@ def stream_events(
                 yield Event(step.kind, step.thread_id, step.parent_id, elapsed_s=now - start)
                 continue
             tid = step.thread_id
-            if tid in stopped:
-                continue
             thread = texts.setdefault(tid, _ThreadText(lm.tokenizer, params.stop))
             emitted, delta, stop_hit = [], "", False
             for token in step.tokens:
-                used = counts.get(tid, 0) if per_row else stats.generated_tokens
-                if used >= max_tokens:
+                if stats.generated_tokens >= max_tokens:
                     break
                 if token in eos:
-                    stop_hit = per_row or tid == 0
+                    stop_hit = tid == 0
                     break
                 emitted.append(token)
-                counts[tid] = counts.get(tid, 0) + 1
                 stats.generated_tokens += 1
                 piece, stop_hit = thread.add(token)
                 delta += piece
@@ -335,12 +324,9 @@ def stream_events(
                 stats.accepted += step.accepted
                 yield Event("token", tid, step.parent_id, emitted, delta,
                             step.drafted, step.accepted, now - start)
-            reached = (counts.get(tid, 0) if per_row else stats.generated_tokens) >= max_tokens
-            if stop_hit or reached:
-                stopped.add(tid)
+            if stop_hit or stats.generated_tokens >= max_tokens:
                 stats.finish_reason = "stop" if stop_hit else "length"
-                if not per_row or len(stopped) == len(prompts):
-                    break
+                break
         else:
             stats.finish_reason = "stop"
     finally:

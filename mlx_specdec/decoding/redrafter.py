@@ -114,7 +114,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     for b in rows:
         yield Step([int(first[b])], thread_id=b)
     emitted += 1
-    rows, keep = _drop_finished(rows, [[int(t)] for t in first], emitted, eos, params.max_tokens)
+    rows, keep = _drop_finished(rows, [[int(t)] for t in first], emitted, eos, params.max_tokens, ctx.stopped_rows)
     if rows:  # the first draft, from the prompt's last hidden state and the first tokens
         drafts = proposer.propose(token, out.hidden[:, -1])
         beams, owner, confidence = _read(drafts.beams, drafts.owner, drafts.confidence)  # host sync: the first drafts
@@ -187,7 +187,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
             beams, owner, confidence = next_beams, next_owner, next_confidence
             for b, thread in enumerate(rows):
                 yield Step(new_tokens[b], thread_id=thread, drafted=step_length - 1, accepted=int(accepted[b]))
-            rows, keep = _drop_finished(rows, new_tokens, emitted, eos, params.max_tokens)
+            rows, keep = _drop_finished(rows, new_tokens, emitted, eos, params.max_tokens, ctx.stopped_rows)
     finally:
         if cache.offset > committed:  # stopped mid-step: drop the unverified tree
             cache.rollback_to(committed)
@@ -202,10 +202,11 @@ def kept_length(confidence: np.ndarray, cutoff: float) -> int:
     return int(leading.max()) + 1
 
 
-def _drop_finished(rows: List[int], new_tokens, emitted, eos, max_tokens):
-    """Rows that hit EOS or max_tokens leave the batch: (live rows, their indices or None)."""
+def _drop_finished(rows: List[int], new_tokens, emitted, eos, max_tokens, stopped_rows):
+    """Rows that hit EOS or max_tokens, or whose request ended (a stop string, its own max_tokens,
+    a client gone: `stopped_rows`), leave the batch: (live rows, their indices or None)."""
     keep = [b for b, tokens in enumerate(new_tokens)
-            if emitted[b] < max_tokens and not any(t in eos for t in tokens)]
+            if emitted[b] < max_tokens and not any(t in eos for t in tokens) and rows[b] not in stopped_rows]
     if len(keep) == len(rows):
         return rows, None
     return [rows[b] for b in keep], np.array(keep)

@@ -1,22 +1,30 @@
-"""The server's one generation thread: requests decode one at a time, first come first served.
+"""The server's one generation thread: requests decode first come first served, and where the
+method decodes batches (`redrafter`) the requests waiting together are decoded together.
 
 The HTTP side (an asyncio loop) submits a `Job` and reads its events from an asyncio queue that
 this thread fills through `loop.call_soon_threadsafe`. One long-lived thread owns every MLX call
 (MLX streams are per thread), and one model's KV cache (the engine's prefix store) is touched by
 one request at a time. A job whose client went away is cancelled: the thread stops at the next
 event and closes the generator, whose `finally` rolls the cache back, so the next request starts
-from a clean cache.
+from a clean cache; in a batch, its row leaves the batch at the next step and the others go on.
+
+Batching: the job at the head of the queue takes with it up to `max_batch - 1` later jobs that
+can share its rows (the same method, sampling settings and method options; sampled requests only
+without a seed, since a batch has one random stream). A row keeps its own max_tokens and stop
+strings, and gets its own usage and speculation figures (decoding/batch.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue
+import dataclasses
 import threading
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, Deque, List, Optional
 
-from ..decoding import GenerationParams
+from ..decoding import Event, GenerationParams
+from ..engine import BATCH_METHODS
 
 DONE = object()  # the end of a job's events
 
@@ -33,9 +41,17 @@ class Job:
     def put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, item)
 
+    def batch_key(self):
+        """Jobs with equal keys can be rows of one batch (None: this one decodes alone)."""
+        p = self.params
+        if self.method not in BATCH_METHODS or (not p.greedy and p.seed is not None):
+            return None
+        return (self.method, p.greedy, p.temperature if not p.greedy else 0.0, p.top_p, p.prefill_chunk,
+                repr(sorted(p.options.items())))
+
 
 class GenerationWorker:
-    def __init__(self, load: Callable[[], object]):
+    def __init__(self, load: Callable[[], object], max_batch: int = 8):
         """load() -> the engine, called on the generation thread itself: MLX keeps streams per
         thread, and arrays made on one thread's stream (a lazily loaded draft head, a compiled
         draft) then fail on another ("There is no Stream(cpu, 0) in current thread")."""
@@ -43,7 +59,10 @@ class GenerationWorker:
         self.error: Optional[BaseException] = None
         self.ready = threading.Event()
         self._load = load
-        self._jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
+        self.max_batch = max(1, max_batch)
+        self._jobs: Deque[Optional[Job]] = deque()  # None: stop
+        self._arrived = threading.Condition()
+        self._running: List[Job] = []
         self._thread = threading.Thread(target=self._run, name="generation", daemon=True)
         self._thread.start()
 
@@ -56,14 +75,47 @@ class GenerationWorker:
 
     @property
     def waiting(self) -> int:
-        return self._jobs.qsize()
+        return len(self._jobs)
 
     def submit(self, job: Job) -> Job:
-        self._jobs.put(job)
+        with self._arrived:
+            self._jobs.append(job)
+            self._arrived.notify()
         return job
 
     def stop(self) -> None:
-        self._jobs.put(None)
+        with self._arrived:
+            self._jobs.append(None)
+            self._arrived.notify()
+
+    def cancel_all(self) -> None:
+        """Shutting down: every queued and running request stops at its next event."""
+        with self._arrived:
+            for job in list(self._jobs) + self._running:
+                if job is not None:
+                    job.cancelled.set()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def _next(self) -> Optional[List[Job]]:
+        """The job at the head of the queue and the waiting jobs that can share its batch."""
+        with self._arrived:
+            while not self._jobs:
+                self._arrived.wait()
+            head = self._jobs.popleft()
+            if head is None:
+                return None
+            batch, key = [head], head.batch_key()
+            if key is not None:
+                for job in list(self._jobs):
+                    if len(batch) == self.max_batch:
+                        break
+                    if job is not None and not job.cancelled.is_set() and job.batch_key() == key:
+                        self._jobs.remove(job)
+                        batch.append(job)
+            self._running = batch
+            return batch
 
     def _run(self) -> None:
         try:
@@ -74,22 +126,56 @@ class GenerationWorker:
         finally:
             self.ready.set()
         while True:
-            job = self._jobs.get()
-            if job is None:
+            jobs = self._next()
+            if jobs is None:
                 return
-            if job.cancelled.is_set():  # the client left while it waited
-                job.put(DONE)
-                continue
-            events = None
-            try:
-                events = self.engine.generate_ids(job.prompt_ids, job.method, job.params)
-                for event in events:
-                    if job.cancelled.is_set():
-                        break
-                    job.put(event)
-            except Exception as error:  # noqa: BLE001  (reported to that request; the server goes on)
-                job.put(error)
-            finally:
-                if events is not None and hasattr(events, "close"):
-                    events.close()  # a stopped generation's `finally` rolls its cache back
-                job.put(DONE)
+            live = [job for job in jobs if not job.cancelled.is_set()]
+            for job in jobs:
+                if job.cancelled.is_set():  # the client left while it waited
+                    job.put(DONE)
+            if len(live) == 1:
+                self._run_one(live[0])
+            elif live:
+                self._run_batch(live)
+
+    def _run_one(self, job: Job) -> None:
+        events = None
+        try:
+            events = self.engine.generate_ids(job.prompt_ids, job.method, job.params)
+            for event in events:
+                if job.cancelled.is_set():
+                    break
+                job.put(event)
+        except Exception as error:  # noqa: BLE001  (reported to that request; the server goes on)
+            job.put(error)
+        finally:
+            if events is not None and hasattr(events, "close"):
+                events.close()  # a stopped generation's `finally` rolls its cache back
+            job.put(DONE)
+
+    def _run_batch(self, jobs: List[Job]) -> None:
+        """Rows of one batch: each row's events go to its job as thread 0's, and its `thread_end`
+        (the row's own stats) becomes the job's `done`."""
+        ended, events = set(), None
+        try:
+            events = self.engine.generate_ids_batch(
+                [job.prompt_ids for job in jobs], jobs[0].method, jobs[0].params,
+                rows=[job.params for job in jobs], cancelled=lambda row: jobs[row].cancelled.is_set())
+            for event in events:
+                if event.kind == "token":
+                    jobs[event.thread_id].put(dataclasses.replace(event, thread_id=0))
+                elif event.kind == "thread_end":
+                    job = jobs[event.thread_id]
+                    job.put(Event("done", elapsed_s=event.elapsed_s, stats=event.stats))
+                    job.put(DONE)
+                    ended.add(event.thread_id)
+        except Exception as error:  # noqa: BLE001  (reported to every request of the batch)
+            for row, job in enumerate(jobs):
+                if row not in ended:
+                    job.put(error)
+        finally:
+            if events is not None:
+                events.close()  # rows still decoding (the server stopping): the cache drops its tree
+            for row, job in enumerate(jobs):
+                if row not in ended:
+                    job.put(DONE)
