@@ -87,3 +87,55 @@ def test_train_drafter_bad_input(tmp_path):
     assert result.returncode == 1 and "never train on it" in result.stderr
     result = cli("train-drafter", "--help")
     assert result.returncode == 0 and "usage: mlx-specdec train-drafter" in result.stdout
+
+
+def test_multi_turn_rows_distil_the_answer_to_the_last_turn_after_the_models_own_first_answer(tmp_path):
+    """data/make_followups.py: first-turn answers from the training split become the assistant's
+    turn of a conversation with a follow-up; generate_data encodes the whole conversation."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "data"))
+    from make_followups import FOLLOWUPS, main as make_followups
+
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+    model = save_tiny_model_dir(tmp_path / "model", context=128)
+    lm = make_tiny_lm(context=128)
+    lm.tokenizer._tokenizer.chat_template = template
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": i, "prompt": f"w{i} w{i + 1}"}) for i in range(1, 25)))
+    generate_data(lm, DataConfig(prompts=prompts, out=tmp_path / "first", max_new_tokens=5, batch_size=8),
+                  log=lambda *_: None)
+    followups = tmp_path / "f.jsonl"
+    assert make_followups(["--data-dir", str(tmp_path / "first"), "--prompts", str(prompts),
+                           "--out", str(followups), "--model", str(model)]) == 0
+    rows = [json.loads(line) for line in followups.read_text().splitlines()]
+    first = load_split(tmp_path / "first", "train")
+    def answer_of(i):
+        return first.tokens[first.offsets[i]:first.offsets[i + 1]].tolist()
+
+    answered = [int(pid) for i, pid in enumerate(first.prompt_ids)
+                if lm.tokenizer.decode(answer_of(i), skip_special_tokens=True).strip()]  # an empty answer has no follow-up
+    assert sorted(int(r["id"].split("+")[0]) for r in rows) == sorted(answered) and len(answered) > 15
+    assert all(not is_validation(pid) for pid in answered)
+    row = rows[0]
+    pid = int(row["id"].split("+")[0])
+    index = list(first.prompt_ids).index(pid)
+    answer = answer_of(index)
+    user, assistant, followup = row["messages"]
+    assert user == {"role": "user", "content": f"w{pid} w{pid + 1}"}
+    assert assistant["content"] == lm.tokenizer.decode(answer, skip_special_tokens=True).strip()
+    assert followup["role"] == "user" and any(followup["content"] in v for v in FOLLOWUPS.values())
+    counts = generate_data(lm, DataConfig(prompts=followups, out=tmp_path / "second", max_new_tokens=5, batch_size=8),
+                           log=lambda *_: None)
+    second = load_split(tmp_path / "second", "train")
+    assert counts["train"] > 0 and len(second.prompt_ids) > 0
+    lengths = np.load(sorted((tmp_path / "second" / "train").glob("shard-*.npz"))[0])["prompt_lengths"]
+    assert lengths.min() > len(lm.encode_chat([user]))  # the conversation, not the first turn alone
+
+
+def test_a_row_without_a_prompt_or_a_conversation_is_one_line(tmp_path):
+    from mlx_specdec.drafter.data import load_train_prompts
+    from mlx_specdec.errors import UserError
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": 1, "messages": [{"role": "assistant", "content": "hi"}]}) + "\n")
+    with pytest.raises(UserError, match="bad.jsonl:1 has no 'prompt' field and no 'messages'"):
+        load_train_prompts(bad)

@@ -1,6 +1,7 @@
 """Distillation data for the ReDrafter head: the LLM's own greedy answers and hidden states.
 
-For every training prompt (chat template, one user message) the LLM answers greedily (up to
+For every training prompt (chat template; one user message, or a conversation whose last user turn
+is answered) the LLM answers greedily (up to
 `max_new_tokens` (default 192), stopping at EOS). Prompts run in batches: left-padded, with per-row
 positions and a boolean mask (True = attend) that hides pad keys and is causal, over one
 `ContiguousKVCache` of batch B. The final-norm hidden state of each step is kept as it is
@@ -48,11 +49,25 @@ def load_train_prompts(path: Path) -> List[dict]:
             row = json.loads(line)
         except json.JSONDecodeError:
             raise UserError(f"{path}:{n} is not valid JSON") from None
-        if "prompt" not in row:
-            raise UserError(f"{path}:{n} has no 'prompt' field")
+        if "prompt" not in row and not _is_conversation(row.get("messages")):
+            raise UserError(f"{path}:{n} has no 'prompt' field and no 'messages' "
+                            "(a list of {role, content} that ends with the user's turn)")
         row.setdefault("id", n)
         rows.append(row)
     return rows
+
+
+def _is_conversation(messages) -> bool:
+    return (isinstance(messages, list) and bool(messages)
+            and all(isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in ("system", "user", "assistant")
+                    for m in messages)
+            and messages[-1]["role"] == "user")
+
+
+def row_messages(row: dict) -> List[dict]:
+    """A training row as chat messages: one user turn, or a whole conversation (multi-turn rows,
+    data/make_followups.py) whose last turn the LLM answers."""
+    return row["messages"] if "messages" in row else [{"role": "user", "content": row["prompt"]}]
 
 
 def is_validation(prompt_id, fraction: float = VALID_FRACTION) -> bool:
@@ -141,7 +156,7 @@ def generate_data(lm, cfg: DataConfig, log=print) -> Dict[str, int]:
         rows = rows[: cfg.limit]
     enc = {}
     for r in rows:
-        enc[r["id"]] = lm.encode_chat([{"role": "user", "content": r["prompt"]}])
+        enc[r["id"]] = lm.encode_chat(row_messages(r))
     splits = {"train": [r for r in rows if not is_validation(r["id"])],
               "valid": [r for r in rows if is_validation(r["id"])]}
     cfg.out.mkdir(parents=True, exist_ok=True)
