@@ -8,7 +8,7 @@ from mlx_specdec.decoding.redrafter import redrafter
 from conftest import make_tiny_lm
 from test_redrafter import PROMPTS, engine_with, oracle_head, run
 
-OPTIONS = {"beam_width": 2, "beam_length": 4}
+OPTIONS = {"beam_width": 2, "beam_length": 4, "draft_cutoff": 0.0}
 
 
 def tiny_engine():

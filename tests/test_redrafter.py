@@ -99,7 +99,7 @@ def test_greedy_redrafter_equals_plain_decoding_with_a_random_head(width, length
     engine = engine_with(lm, random_head(lm, seed=seed))
     for prompt in PROMPTS:
         want, _ = run(engine, prompt, "ar", max_tokens=30)
-        params = GenerationParams(max_tokens=30, options={"beam_width": width, "beam_length": length})
+        params = GenerationParams(max_tokens=30, options={"beam_width": width, "beam_length": length, "draft_cutoff": 0.0})
         events = list(engine.generate_ids(prompt, "redrafter", params))
         got = [t for e in events if e.kind == "token" for t in e.tokens]
         assert got == want
@@ -114,7 +114,7 @@ def test_greedy_redrafter_equals_plain_decoding_with_accepted_drafts(width, leng
     deep = 0
     for prompt in PROMPTS:
         want, _ = run(engine, prompt, "ar", max_tokens=40)
-        params = GenerationParams(max_tokens=40, options={"beam_width": width, "beam_length": length})
+        params = GenerationParams(max_tokens=40, options={"beam_width": width, "beam_length": length, "draft_cutoff": 0.0})
         events = list(engine.generate_ids(prompt, "redrafter", params))
         stats = events[-1].stats
         assert [t for e in events if e.kind == "token" for t in e.tokens] == want
@@ -131,12 +131,12 @@ def test_eos_and_max_tokens_inside_an_accepted_run():
     engine = engine_with(lm, oracle_head(lm, PROMPTS, corrupt=0.0))
     want, _ = run(engine, PROMPTS[0], "ar", max_tokens=40)
     for n in (1, 2, 3, 7, 11):
-        got, stats = run(engine, PROMPTS[0], "redrafter", max_tokens=n, options={"beam_length": 5})
+        got, stats = run(engine, PROMPTS[0], "redrafter", max_tokens=n, options={"beam_length": 5, "draft_cutoff": 0.0})
         assert got == want[:n] and stats.finish_reason == "length"
     eos = want[6]
     stopping = make_tiny_lm(seed=3, eos_id=eos)
     got, stats = run(engine_with(stopping, oracle_head(lm, PROMPTS, corrupt=0.0)), PROMPTS[0],
-                     "redrafter", max_tokens=40, options={"beam_length": 5})
+                     "redrafter", max_tokens=40, options={"beam_length": 5, "draft_cutoff": 0.0})
     assert got == want[: want.index(eos)] and stats.finish_reason == "stop"
 
 
@@ -154,7 +154,7 @@ def test_stopping_early_leaves_the_engine_reusable():
 def test_seeded_sampling_is_reproducible():
     lm = make_tiny_lm(seed=3, eos_id=96)
     engine = engine_with(lm, oracle_head(lm, PROMPTS))
-    options = {"beam_width": 2, "beam_length": 4}
+    options = {"beam_width": 2, "beam_length": 4, "draft_cutoff": 0.0}
     a, _ = run(engine, PROMPTS[0], "redrafter", max_tokens=25, temperature=1.0, seed=7, options=options)
     b, _ = run(engine, PROMPTS[0], "redrafter", max_tokens=25, temperature=1.0, seed=7, options=options)
     assert a == b and len(a) == 25
@@ -214,7 +214,7 @@ def test_batched_prompts_each_equal_their_own_plain_decoding(width, length):
     prompts = PROMPTS + [[7], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
     want = [run(engine, p, "ar", max_tokens=30)[0] for p in prompts]
     got, stats = run_batch(engine, prompts, max_tokens=30,
-                           options={"beam_width": width, "beam_length": length})
+                           options={"beam_width": width, "beam_length": length, "draft_cutoff": 0.0})
     assert got == want
     assert stats.forward_passes < sum(len(w) for w in want) / len(prompts)  # speculation worked
 
@@ -228,7 +228,7 @@ def test_batch_rows_stop_on_their_own():
     engine = engine_with(stopping, random_head(stopping))
     prompts = [PROMPTS[0], PROMPTS[1]]
     want = [run(engine, p, "ar", max_tokens=12)[0] for p in prompts]
-    got, _ = run_batch(engine, prompts, max_tokens=12, options={"beam_width": 2, "beam_length": 3})
+    got, _ = run_batch(engine, prompts, max_tokens=12, options={"beam_width": 2, "beam_length": 3, "draft_cutoff": 0.0})
     assert got == want and len(got[0]) == 4
 
 
@@ -276,3 +276,15 @@ def test_sampling_redrafter_samples_the_models_distribution(temperature, top_p, 
     df = len(obs) - 1
     critical = df + 3.09 * np.sqrt(2 * df) + 3  # ~ the 0.001 quantile (normal approx., generous for small df)
     assert df >= 5 and chi2 < critical, (chi2, df)
+
+
+def test_the_cli_help_states_the_strategy_s_own_defaults():
+    from mlx_specdec.cli.args import METHOD_SETTINGS
+    import importlib
+
+    r = importlib.import_module("mlx_specdec.decoding.redrafter")  # the module, not the strategy function
+
+    helps = {name: text for method, name, _, text, _ in METHOD_SETTINGS if method == "redrafter"}
+    assert f"(default: {r.DEFAULT_BEAM_WIDTH})" in helps["beam_width"]
+    assert f"(default: {r.DEFAULT_BEAM_LENGTH})" in helps["beam_length"]
+    assert f"(default: {r.DEFAULT_DRAFT_CUTOFF:g})" in helps["draft_cutoff"]

@@ -10,6 +10,7 @@ from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static
 
+from mlx_specdec.decoding.redrafter import DEFAULT_BEAM_LENGTH, DEFAULT_BEAM_WIDTH, DEFAULT_DRAFT_CUTOFF
 from mlx_specdec.decoding.triforce import BOTTOMS, DEFAULT_BUDGET, DEFAULT_GAMMA
 
 from .widgets import METHOD_LABELS
@@ -21,8 +22,9 @@ FIELDS: List[Tuple[str, str, object, object, Optional[Tuple[str, ...]]]] = [
     ("temperature", "temperature (0 = greedy)", float, 0.0, None),
     ("top_p", "top-p", float, 1.0, None),
     ("seed", "seed (empty = random)", int, None, None),
-    ("beam_width", "beam width W", int, 2, ("redrafter",)),
-    ("beam_length", "beam length L", int, 5, ("redrafter",)),
+    ("beam_width", "beam width W", int, DEFAULT_BEAM_WIDTH, ("redrafter",)),
+    ("beam_length", "beam length L", int, DEFAULT_BEAM_LENGTH, ("redrafter",)),
+    ("draft_cutoff", "draft cutoff (0: all)", float, DEFAULT_DRAFT_CUTOFF, ("redrafter",)),
     ("max_threads", "max live threads", int, 32, ("apar",)),
     ("max_depth", "max fork depth (0: none)", int, 2, ("apar",)),
     ("budget", "budget", int, DEFAULT_BUDGET, ("triforce",)),
@@ -30,7 +32,7 @@ FIELDS: List[Tuple[str, str, object, object, Optional[Tuple[str, ...]]]] = [
     ("bottom", "bottom level", tuple(BOTTOMS), "ngram" if "ngram" in BOTTOMS else BOTTOMS[0], ("triforce",)),
 ]
 #: settings passed as `GenerationParams.options` (method-specific), per method
-METHOD_OPTIONS = {"redrafter": ("beam_width", "beam_length"), "apar": ("max_threads", "max_depth"),
+METHOD_OPTIONS = {"redrafter": ("beam_width", "beam_length", "draft_cutoff"), "apar": ("max_threads", "max_depth"),
                   "triforce": ("budget", "gamma", "bottom")}
 #: the smallest retrieval budget the engine's triforce takes
 MIN_BUDGET = 16
@@ -70,6 +72,8 @@ def parse_settings(raw: Dict[str, str]) -> Dict[str, object]:
         raise ValueError("max fork depth must be at least 0")
     if out["beam_length"] < 2:
         raise ValueError("beam length must be at least 2")
+    if not 0 <= out["draft_cutoff"] <= 1:
+        raise ValueError("draft cutoff must be in [0, 1]")
     if out["budget"] < MIN_BUDGET:
         raise ValueError(f"budget must be at least {MIN_BUDGET}")
     return out

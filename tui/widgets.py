@@ -10,6 +10,8 @@ from textual.content import Content
 from textual.message import Message
 from textual.widgets import Label, ListItem, ListView, Static
 
+from mlx_specdec.decoding.redrafter import DEFAULT_BEAM_LENGTH, DEFAULT_BEAM_WIDTH, DEFAULT_DRAFT_CUTOFF
+
 from .stream import StreamState, ThreadView
 
 #: how text that came from accepted drafts is shown: the theme's success colour, underlined (an
@@ -23,7 +25,9 @@ def method_label(method: str, settings: Optional[dict] = None) -> str:
     label = METHOD_LABELS.get(method, method)
     settings = settings or {}
     if method == "redrafter":
-        label += f" W{settings.get('beam_width', 2)} L{settings.get('beam_length', 5)}"
+        label += f" W{settings.get('beam_width', DEFAULT_BEAM_WIDTH)} L{settings.get('beam_length', DEFAULT_BEAM_LENGTH)}"
+        cutoff = float(settings.get("draft_cutoff", DEFAULT_DRAFT_CUTOFF) or 0.0)
+        label += f" cut {cutoff:g}" if cutoff > 0 else ""
     elif method == "apar":
         label += f" ≤{settings.get('max_threads', 32)} threads, depth ≤{settings.get('max_depth', 2)}"
     elif method == "triforce":

@@ -79,12 +79,13 @@ def _comma_list(text: str, kind=str) -> List:
 # Each method setting once: (method, option name, flag, help, parser of one value). generate and
 # chat take one value; bench takes a comma list and runs every combination.
 METHOD_SETTINGS = [
-    ("redrafter", "beam_width", "--beam-width", "beam width W (default: 2)", _positive_int),
+    ("redrafter", "beam_width", "--beam-width", "beam width W (default: 1)", _positive_int),
     ("redrafter", "draft_cutoff", "--draft-cutoff",
      "verify only the drafts the head gives at least this probability (each beam up to its first below); "
-     "a step with none is a plain step (default: 0 = every draft)", lambda text, flag: _fraction(text, flag)),
-    ("redrafter", "beam_length", "--beam-length", "beam length L, the LLM's token + L-1 drafts (default: 5)",
-     _positive_int),
+     "a step with none is a plain step; 0 = every draft (default: 0.2)",
+     lambda text, flag: _fraction(text, flag)),
+    ("redrafter", "beam_length", "--beam-length",
+     "beam length L, the LLM's token + L-1 drafts (default: 3)", _positive_int),
     ("apar", "max_threads", "--max-threads", "most live threads per answer (default: 32)", _positive_int),
     ("apar", "max_depth", "--max-depth", "deepest fork, 0 = never fork (default: 2)", _nonnegative_int),
     ("apar", "fork_probe", "--fork-probe",
