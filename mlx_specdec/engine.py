@@ -74,9 +74,10 @@ class Engine:
              drafter: Optional[str] = "auto", apar_adapter: Optional[str] = "auto",
              draft_model: Optional[str] = None, reuse_prefix: bool = False, dequantize: str = "auto") -> "Engine":
         """drafter / apar_adapter: 'auto' (one shipped in models/ for this model, if any), a
-        directory, or None. draft_model: a model spec as `model` (triforce's bottom level).
+        directory, or None (the command line's 'none'). draft_model: a model spec as `model` (triforce's bottom level).
         dequantize: a quantized model's weights expanded once at load (auto: on the CPU when
         memory allows; model/loader.py)."""
+        drafter = None if drafter == "none" else drafter
         lm = load_model(model, dtype=dtype, dequantize=dequantize)
         engine = cls(lm, drafter, apar_adapter,
                      load_model(draft_model, dtype=lm.dtype, dequantize=dequantize) if draft_model else None,

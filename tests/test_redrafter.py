@@ -288,3 +288,12 @@ def test_the_cli_help_states_the_strategy_s_own_defaults():
     assert f"(default: {r.DEFAULT_BEAM_WIDTH})" in helps["beam_width"]
     assert f"(default: {r.DEFAULT_BEAM_LENGTH})" in helps["beam_length"]
     assert f"(default: {r.DEFAULT_DRAFT_CUTOFF:g})" in helps["draft_cutoff"]
+
+
+def test_drafter_none_from_the_command_line_means_no_head(tmp_path):
+    from conftest import save_tiny_model_dir
+
+    engine = Engine.load(str(save_tiny_model_dir(tmp_path / "tiny")), drafter="none")
+    assert engine.drafter is None
+    with pytest.raises(NoDrafter, match="redrafter needs a draft head"):
+        run(engine, PROMPTS[0], "redrafter")

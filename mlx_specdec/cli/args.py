@@ -120,11 +120,13 @@ METHOD_SETTINGS = [
 ]
 
 
+DRAFTER_HELP = "ReDrafter head directory ('auto' = the one shipped in models/ for this model, 'none' = no head)"
+
+
 def _add_method_args(p: argparse.ArgumentParser, lists: bool = False) -> None:
     """Method settings; in `bench` they take comma lists and every combination runs."""
     kind = "comma list of " if lists else ""
-    p.add_argument("--drafter", default="auto",
-                   help="ReDrafter head directory; 'auto' = the head shipped in models/ for this model")
+    p.add_argument("--drafter", default="auto", help=DRAFTER_HELP)
     p.add_argument("--draft-model", default=None,
                    help="triforce --bottom model: a small model with the target's tokenizer (directory, "
                         "Hugging Face repo id or 'default')")

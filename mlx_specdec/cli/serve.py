@@ -6,7 +6,7 @@ import os
 import sys
 
 from ..errors import UserError
-from .args import METHODS_HELP, _add_model_args, load_engine
+from .args import DRAFTER_HELP, METHODS_HELP, _add_model_args, load_engine
 
 
 def add_parser(sub) -> None:
@@ -16,8 +16,7 @@ def add_parser(sub) -> None:
                                    "http://HOST:PORT/v1. A request may pick its own method with the extra "
                                    "field `method`.")
     _add_model_args(p)
-    p.add_argument("--drafter", default="auto",
-                   help="ReDrafter head directory ('auto' = the one shipped for this model, 'none' = no head)")
+    p.add_argument("--drafter", default="auto", help=DRAFTER_HELP)
     p.add_argument("--method", default="ar", help=f"the default method: {METHODS_HELP} (default: ar)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 opens it to the network)")
@@ -46,8 +45,6 @@ def cmd_serve(args) -> int:
     except ImportError as exc:
         raise UserError(f"serve needs starlette and uvicorn ({exc.name} is missing): pip install starlette uvicorn")
     _check_port_free(args.host, args.port)  # before the model loads, not after
-    if args.drafter == "none":
-        args.drafter = None
     # the engine loads on the generation thread, which makes every MLX call (serve/worker.py)
     worker = GenerationWorker(lambda: load_engine(args, reuse_prefix=True), max_batch=args.max_batch)
     app = create_app(worker, method=args.method, api_key=args.api_key)

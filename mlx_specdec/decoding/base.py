@@ -262,6 +262,23 @@ class _ThreadText:
         return delta
 
 
+def take_tokens(tokens: Sequence[int], text: _ThreadText, eos, room: int):
+    """One step's tokens for one thread: at most `room` of them, up to an EOS (left out) or a
+    stop string (cut from the text). Returns (kept tokens, their text delta, "eos" | "stop" | None)."""
+    kept, delta = [], ""
+    for token in tokens:
+        if len(kept) >= room:
+            break
+        if token in eos:
+            return kept, delta, "eos"
+        kept.append(token)
+        piece, stop_hit = text.add(token)
+        delta += piece
+        if stop_hit:
+            return kept, delta, "stop"
+    return kept, delta, None
+
+
 def check_context(lm: LoadedModel, prompt: Sequence[int], params: GenerationParams) -> int:
     """Refuse a prompt that does not fit; clamp max_tokens to what is left of the window."""
     window = lm.context_length
@@ -304,19 +321,9 @@ def stream_events(
                 continue
             tid = step.thread_id
             thread = texts.setdefault(tid, _ThreadText(lm.tokenizer, params.stop))
-            emitted, delta, stop_hit = [], "", False
-            for token in step.tokens:
-                if stats.generated_tokens >= max_tokens:
-                    break
-                if token in eos:
-                    stop_hit = tid == 0
-                    break
-                emitted.append(token)
-                stats.generated_tokens += 1
-                piece, stop_hit = thread.add(token)
-                delta += piece
-                if stop_hit:
-                    break
+            emitted, delta, end = take_tokens(step.tokens, thread, eos, max_tokens - stats.generated_tokens)
+            stats.generated_tokens += len(emitted)
+            stop_hit = end == "stop" or (end == "eos" and tid == 0)  # another thread's EOS ends that thread only
             if emitted or delta:
                 first_token_at = first_token_at or now
                 last_token_at = now

@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from ..model.loader import LoadedModel
 from .base import (DecodeContext, Event, GenerationParams, GenerationStats, _ThreadText, check_context,
-                   make_sampler, peak_memory_mb)
+                   make_sampler, peak_memory_mb, take_tokens)
 
 
 def stream_batch(
@@ -82,23 +82,12 @@ def stream_batch(
             if cancelled is not None and cancelled(tid):
                 yield from end_row(tid, "cancelled", now)
             else:
-                row, text = row_stats[tid], texts[tid]
+                row = row_stats[tid]
                 row.forward_passes += 1
-                emitted, delta, reason = [], "", None
-                for token in step.tokens:
-                    if row.generated_tokens >= limits[tid]:
-                        break
-                    if token in eos:
-                        reason = "stop"
-                        break
-                    emitted.append(token)
-                    row.generated_tokens += 1
-                    stats.generated_tokens += 1
-                    piece, stop_hit = text.add(token)
-                    delta += piece
-                    if stop_hit:
-                        reason = "stop"
-                        break
+                emitted, delta, end = take_tokens(step.tokens, texts[tid], eos, limits[tid] - row.generated_tokens)
+                row.generated_tokens += len(emitted)
+                stats.generated_tokens += len(emitted)
+                reason = "stop" if end else None  # its EOS or its stop string
                 if emitted or delta:
                     first_at[tid] = first_at[tid] or now
                     first_token_at = first_token_at or now
