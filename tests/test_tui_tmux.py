@@ -34,11 +34,16 @@ if shutil.which("tmux") is None:
     pytest.skip("tmux is not installed", allow_module_level=True)
 
 WIDTH, HEIGHT = 80, 24  # the smallest size the app promises to be usable at
-SOCKET = f"mlxspecdec-test-{os.getpid()}"  # a private tmux server: never touches the user's sessions
+# A private tmux server per test (never the user's, never the previous test's: a server that was just
+# killed can still be exiting when the next test connects, and tmux then fails with status 1).
+SOCKET = f"mlxspecdec-test-{os.getpid()}"
 
 
 def tmux(*args: str, check: bool = True) -> str:
-    return subprocess.run(["tmux", "-L", SOCKET, *args], capture_output=True, text=True, check=check).stdout
+    done = subprocess.run(["tmux", "-L", SOCKET, *args], capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise AssertionError(f"tmux {' '.join(args[:3])} ...: status {done.returncode}: {done.stderr.strip()}")
+    return done.stdout
 
 
 def capture(session: str) -> str:
@@ -66,7 +71,16 @@ def start_app(session: str, data: Path, max_tokens: int, method: str = "ar") -> 
     command = (f"env {assignments} {sys.executable} -m mlx_specdec.cli chat "
                f"--max-tokens {max_tokens} --method {method}; echo $? > {status}")
     data.mkdir(parents=True, exist_ok=True)
-    tmux("new-session", "-d", "-s", session, "-x", str(WIDTH), "-y", str(HEIGHT), command)
+    # After kill-session the server of the last session exits; a client that connects while it is
+    # exiting gets status 1 ("server exited unexpectedly"), so a failed start is tried again.
+    for attempt in range(5):
+        try:
+            tmux("new-session", "-d", "-s", session, "-x", str(WIDTH), "-y", str(HEIGHT), command)
+            return status
+        except AssertionError:
+            if attempt == 4:
+                raise
+            time.sleep(1.0)
     return status
 
 
@@ -111,8 +125,10 @@ def rows(db: Path):
 
 
 @pytest.fixture
-def session():
-    name = f"mlxspecdec-test-{os.getpid()}"
+def session(request):
+    global SOCKET
+    SOCKET = f"mlxspecdec-test-{os.getpid()}-{request.node.name[:40]}"
+    name = "mlxspecdec-test"
     yield name
     tmux("kill-server", check=False)
 
