@@ -11,7 +11,8 @@ from conftest import make_tiny_lm
 from mlx_specdec.drafter.data import Sequences
 from mlx_specdec.drafter.head import (DrafterConfig, DrafterHead, DrafterMismatch, load_drafter,
                                       save_drafter, tokenizer_hash)
-from mlx_specdec.drafter.train import TrainConfig, draft_vocabulary, evaluate_head, train_head
+from mlx_specdec.drafter.train import TrainConfig, evaluate_head, train_head
+from mlx_specdec.drafter.vocab import draft_vocabulary
 from mlx_specdec.errors import UserError
 
 
@@ -177,3 +178,27 @@ def test_llm_head_training_reduces_loss(lm):
     result = train_head(lm, data, cfg, progress=False, log=lambda *_: None)
     assert np.mean(result.losses[-3:]) < 0.5 * np.mean(result.losses[:3])
     assert evaluate_head(result.head, lm, data)["acc"][0] > 0.5
+
+
+def test_init_from_goes_on_from_a_saved_head(lm, tmp_path):
+    """--init-from: training starts from the saved head's weights and draft vocabulary (zero steps
+    give back the same head); a head of another shape is one clear error."""
+    data = synthetic_data(lm)
+    base = dict(draft_vocab_size=64, draft_length=3, batch_size=32, checkpoint_every=1000)
+    first = train_head(lm, data, TrainConfig(**base, epochs=2), progress=False, log=lambda *_: None)
+    save_drafter(first.head, tmp_path / "first", dtype=mx.float32)
+    start = train_head(lm, data, TrainConfig(**dict(base, draft_vocab_size=16), epochs=1, max_steps=0,
+                                             init_from=str(tmp_path / "first")),
+                       progress=False, log=lambda *_: None)
+    assert np.array_equal(np.array(start.head.draft_to_full), np.array(first.head.draft_to_full))
+    a, b = params(first.head), params(start.head)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+    assert evaluate_head(start.head, lm, data) == evaluate_head(first.head, lm, data)
+    more = train_head(lm, data, TrainConfig(**base, epochs=1, lr=1e-4, init_from=str(tmp_path / "first")),
+                      progress=False, log=lambda *_: None)
+    assert np.mean(more.losses[:3]) < np.mean(first.losses[:3])  # it starts where the first left off
+    with pytest.raises(UserError, match="pass the same --output-kind and --blocks"):
+        train_head(lm, data, TrainConfig(**base, num_blocks=3, init_from=str(tmp_path / "first")),
+                   progress=False, log=lambda *_: None)

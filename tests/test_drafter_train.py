@@ -49,6 +49,11 @@ def test_generate_data_is_resumable(tmp_path):
     assert counts["valid"] == load_split(tmp_path / "data", "valid").offsets[-1] > 0
     files = sorted((tmp_path / "data").rglob("shard-*.npz"))
     stamps = [f.stat().st_mtime_ns for f in files]
+    # the splits are written interleaved: a run stopped half-way already has held-out answers
+    written = sorted(files, key=lambda f: f.stat().st_mtime_ns)
+    assert [f"{f.parent.name}/{f.stem}" for f in written] == [
+        "train/shard-0000", "train/shard-0001", "train/shard-0002", "valid/shard-0000",
+        "train/shard-0003", "train/shard-0004"]
     messages = []
     assert generate_data(lm, cfg, log=messages.append) == counts
     assert "already done" in messages[0] and [f.stat().st_mtime_ns for f in files] == stamps
@@ -85,6 +90,8 @@ def test_train_drafter_bad_input(tmp_path):
     assert result.returncode == 1 and "must be positive" in result.stderr
     result = cli("train-drafter", "--prompts", "benchmarks/prompts.jsonl")
     assert result.returncode == 1 and "never train on it" in result.stderr
+    result = cli("train-drafter", "--data-only", "--no-generate")
+    assert result.returncode == 1 and "would do nothing" in result.stderr and "Loading" not in result.stderr
     result = cli("train-drafter", "--help")
     assert result.returncode == 0 and "usage: mlx-specdec train-drafter" in result.stdout
 

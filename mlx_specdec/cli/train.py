@@ -43,6 +43,11 @@ def add_parser(sub) -> None:
     p.add_argument("--skip-k-measure", action="store_true", help="skip the draft-vocabulary coverage/timing table")
     p.add_argument("--data-only", action="store_true",
                    help="generate (or resume) the distillation data and stop: a long run over sessions")
+    p.add_argument("--no-generate", action="store_true",
+                   help="train on the data shards already generated (a data run stopped part-way); "
+                        "generate nothing")
+    p.add_argument("--init-from", default=None, metavar="DIR",
+                   help="go on training a saved head (its weights and draft vocabulary) on this data")
     p.set_defaults(func=cmd_train_drafter)
 
     p = sub.add_parser("train-apar", help="fine-tune an APAR adapter (LoRA + [Fork]/[Child]) for a model",
@@ -137,6 +142,8 @@ def cmd_train_drafter(args) -> int:
     prompts = _training_prompt_files(args.prompts)
     if args.output_kind not in ("draft_vocab", "llm_head"):
         raise UserError("--output-kind is draft_vocab or llm_head")
+    if args.data_only and args.no_generate:
+        raise UserError("--data-only and --no-generate together would do nothing")
     engine = load_engine(args)
     tag = Path(args.output).name
     data_dir = Path(args.data_dir) if args.data_dir else home() / "drafter-data" / tag
@@ -144,10 +151,12 @@ def cmd_train_drafter(args) -> int:
     cfg = TrainConfig(draft_vocab_size=args.draft_vocab, draft_length=args.draft_length,
                       num_blocks=args.blocks, batch_size=args.batch_size, epochs=args.epochs,
                       lr=args.lr, seed=args.seed, checkpoint_every=args.checkpoint_every,
-                      max_steps=args.max_steps, output=args.output_kind, feature_loss=args.feature_loss)
+                      max_steps=args.max_steps, output=args.output_kind, feature_loss=args.feature_loss,
+                      init_from=str(Path(args.init_from).resolve()) if args.init_from else None)
     run_pipeline(engine.lm, prompts, data_dir, Path(args.output), ckpt, cfg,
                  max_new_tokens=args.max_new_tokens, data_batch=args.data_batch,
-                 measure_k=not args.skip_k_measure, log=_log, data_only=args.data_only)
+                 measure_k=not args.skip_k_measure, log=_log, data_only=args.data_only,
+                 generate=not args.no_generate)
     return 0
 
 

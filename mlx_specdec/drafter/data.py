@@ -177,8 +177,12 @@ def generate_data(lm, cfg: DataConfig, log=print) -> Dict[str, int]:
         (cfg.out / split).mkdir(exist_ok=True)
         # sort by prompt length inside the split so batches pad little
         srows = sorted(srows, key=lambda r: len(enc[r["id"]]))
-        for i, shard in enumerate(_shards(srows, shard_prompts)):
-            todo.append((split, cfg.out / split / f"shard-{i:04d}.npz", shard))
+        shards = _shards(srows, shard_prompts)
+        for i, shard in enumerate(shards):
+            todo.append(((i + 0.5) / len(shards), split, cfg.out / split / f"shard-{i:04d}.npz", shard))
+    # The splits are interleaved in proportion (a valid shard after every ~20 train shards), so a run
+    # stopped part-way (hours of generation) already has held-out answers to measure a head on.
+    todo = [t[1:] for t in sorted(todo, key=lambda t: t[0])]
     pending = [t for t in todo if not t[1].exists()]
     log(f"{len(todo)} shards, {len(todo) - len(pending)} already done")
     bar = tqdm(total=sum(len(t[2]) for t in pending), unit="prompt", desc="distill", mininterval=5)

@@ -30,7 +30,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import UserError
 from .data import Sequences
-from .head import DrafterConfig, DrafterHead, llm_output_rows, llm_shapes, save_drafter, tokenizer_hash
+from .head import (DrafterConfig, DrafterHead, llm_output_rows, llm_shapes, load_drafter, save_drafter,
+                   tokenizer_hash)
+from .vocab import draft_vocabulary, measure_draft_vocab
 
 
 @dataclass
@@ -49,21 +51,7 @@ class TrainConfig:
     compile: bool = True
     output: str = "draft_vocab"  # "draft_vocab" | "llm_head" (DrafterConfig.output)
     feature_loss: float = 1.0  # weight of the hidden-state regression (output="llm_head")
-
-
-def draft_vocabulary(tokens: np.ndarray, k: int, vocab_size: int, always: Optional[List[int]] = None) -> np.ndarray:
-    """The k most frequent token ids of `tokens` (ties by id), plus `always` ids (e.g. EOS)."""
-    counts = np.bincount(tokens.astype(np.int64), minlength=vocab_size)
-    order = np.lexsort((np.arange(vocab_size), -counts))  # by count desc, then id
-    chosen = list(order[:k])
-    for t in always or []:
-        if t not in chosen:
-            chosen[-1 - (always or []).index(t)] = t
-    return np.array(sorted(set(int(c) for c in chosen)), dtype=np.int32)
-
-
-def coverage(tokens: np.ndarray, draft_to_full: np.ndarray) -> float:
-    return float(np.isin(tokens, draft_to_full).mean())
+    init_from: Optional[str] = None  # a saved head to go on training (its weights and draft vocabulary)
 
 
 class Windows:
@@ -186,6 +174,12 @@ def train_head(lm, train: Sequences, cfg: TrainConfig, checkpoint_dir: Optional[
     from tqdm import tqdm
 
     hidden_size, embed_size, vocab = llm_shapes(lm)
+    start = load_drafter(cfg.init_from, lm) if cfg.init_from else None
+    if start is not None:  # go on from a saved head: its draft vocabulary, blocks and output stay
+        if start.config.output != cfg.output or start.config.num_blocks != cfg.num_blocks:
+            raise UserError(f"{cfg.init_from} is a {start.config.output} head with {start.config.num_blocks} "
+                            f"blocks; pass the same --output-kind and --blocks")
+        draft_to_full = np.array(start.draft_to_full)
     if draft_to_full is None:
         eos = sorted(lm.eos_token_ids)
         draft_to_full = draft_vocabulary(train.tokens, cfg.draft_vocab_size, vocab, always=eos)
@@ -202,6 +196,8 @@ def train_head(lm, train: Sequences, cfg: TrainConfig, checkpoint_dir: Optional[
         return head
 
     head = new_head(draft_to_full)
+    if start is not None:
+        head.load_weights(tree_flatten(start.parameters()), strict=True)
     windows = Windows(train, cfg.draft_length)
     per_epoch = max(1, len(windows) // cfg.batch_size)
     total = max(1, int(math.ceil(cfg.epochs * per_epoch)))
@@ -315,57 +311,21 @@ def evaluate_head(head: DrafterHead, lm, seqs: Sequences, batch_size: int = 512,
     }
 
 
-def time_logits(head_full: DrafterHead, head_k: DrafterHead, batch: int = 4, repeats: int = 50) -> Dict[str, float]:
-    """Milliseconds per `logits` call (batch rows) for a full-vocabulary head and a K head."""
-    out = {}
-    for name, h in (("full", head_full), ("k", head_k)):
-        E, D = h.config.embed_size, h.config.llm_hidden_size
-        s, hid = mx.random.normal((batch, E)), mx.random.normal((batch, D))
-        for _ in range(5):
-            mx.eval(h.logits(s, hid))
-        t = time.perf_counter()
-        for _ in range(repeats):
-            mx.eval(h.logits(s, hid))
-        out[name] = (time.perf_counter() - t) / repeats * 1000
-    return out
-
-
-def measure_draft_vocab(lm, train: Sequences, valid: Sequences, ks=(1024, 2048, 4096, 8192),
-                        batch: int = 4) -> Dict[str, object]:
-    """Coverage of the held-out answers' tokens and `logits` time (batch rows) per draft-vocab K."""
-    hidden_size, embed_size, vocab = llm_shapes(lm)
-
-    def head_for(k: int) -> DrafterHead:
-        cfg = DrafterConfig(hidden_size, embed_size, vocab, k)
-        h = DrafterHead(cfg, draft_vocabulary(train.tokens, k, vocab) if k < vocab else None)
-        mx.eval(h.parameters())
-        return h
-
-    full = head_for(vocab)
-    rows = {}
-    for k in ks:
-        d2f = draft_vocabulary(train.tokens, k, vocab, always=sorted(lm.eos_token_ids))
-        times = time_logits(full, head_for(k), batch=batch)
-        rows[str(k)] = {"valid_coverage": round(coverage(valid.tokens, d2f), 4),
-                        "train_coverage": round(coverage(train.tokens, d2f), 4),
-                        "logits_ms": round(times["k"], 3), "full_logits_ms": round(times["full"], 3)}
-    return {"batch": batch, "vocab": vocab, "distinct_train_tokens": int(len(np.unique(train.tokens))),
-            "by_k": rows}
-
-
 def run_pipeline(lm, prompts: Sequence[Path], data_dir: Path, output: Path, checkpoint_dir: Path,
                  cfg: TrainConfig, max_new_tokens: int = 192, data_batch: int = 32,
                  measure_k: bool = True, log: Callable[[str], None] = print,
-                 data_only: bool = False) -> Dict[str, object]:
+                 data_only: bool = False, generate: bool = True) -> Dict[str, object]:
     """Distillation data (resumable) -> K measurement -> training (resumable) -> eval -> save.
-    data_only: stop after the data (a long generation run, resumed later, trains nothing)."""
+    data_only: stop after the data (a long generation run, resumed later, trains nothing).
+    generate=False: train on the shards already there (a data run stopped part-way)."""
     from .data import DataConfig, generate_data, load_splits
 
     t0 = time.perf_counter()
     directories = [Path(data_dir) / Path(p).stem for p in prompts]  # one data directory per prompt file
     for prompt_file, directory in zip(prompts, directories):
-        generate_data(lm, DataConfig(prompts=Path(prompt_file), out=directory, max_new_tokens=max_new_tokens,
-                                     batch_size=data_batch), log=log)
+        if generate:
+            generate_data(lm, DataConfig(prompts=Path(prompt_file), out=directory,
+                                         max_new_tokens=max_new_tokens, batch_size=data_batch), log=log)
     train, valid = load_splits(directories, "train"), load_splits(directories, "valid")
     log(f"data: {len(train.offsets) - 1} train answers / {len(train.tokens)} tokens, "
         f"{len(valid.offsets) - 1} valid answers / {len(valid.tokens)} tokens")
