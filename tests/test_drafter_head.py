@@ -199,6 +199,7 @@ def test_init_from_goes_on_from_a_saved_head(lm, tmp_path):
     more = train_head(lm, data, TrainConfig(**base, epochs=1, lr=1e-4, init_from=str(tmp_path / "first")),
                       progress=False, log=lambda *_: None)
     assert np.mean(more.losses[:3]) < np.mean(first.losses[:3])  # it starts where the first left off
-    with pytest.raises(UserError, match="pass the same --output-kind and --blocks"):
-        train_head(lm, data, TrainConfig(**base, num_blocks=3, init_from=str(tmp_path / "first")),
-                   progress=False, log=lambda *_: None)
+    for other in (dict(num_blocks=3), dict(output="llm_head")):
+        with pytest.raises(UserError, match="pass the same --output-kind and --blocks"):
+            train_head(lm, data, TrainConfig(**base, **other, init_from=str(tmp_path / "first")),
+                       progress=False, log=lambda *_: None)

@@ -34,7 +34,16 @@ def test_batched_greedy_matches_plain_greedy(eos_id):
         assert hidden.shape == (len(answer), 64) and hidden.dtype == np.float16
 
 
-def test_generate_data_is_resumable(tmp_path):
+def test_generate_data_is_resumable(tmp_path, monkeypatch):
+    import pathlib
+
+    written, rename = [], pathlib.Path.rename
+
+    def recording_rename(self, target):  # a shard is finished when its temporary file is renamed
+        written.append(f"{pathlib.Path(target).parent.name}/{pathlib.Path(target).stem}")
+        return rename(self, target)
+
+    monkeypatch.setattr(pathlib.Path, "rename", recording_rename)
     lm = make_tiny_lm()
     lm.tokenizer._tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     prompts = tmp_path / "p.jsonl"
@@ -50,15 +59,43 @@ def test_generate_data_is_resumable(tmp_path):
     files = sorted((tmp_path / "data").rglob("shard-*.npz"))
     stamps = [f.stat().st_mtime_ns for f in files]
     # the splits are written interleaved: a run stopped half-way already has held-out answers
-    written = sorted(files, key=lambda f: f.stat().st_mtime_ns)
-    assert [f"{f.parent.name}/{f.stem}" for f in written] == [
-        "train/shard-0000", "train/shard-0001", "train/shard-0002", "valid/shard-0000",
-        "train/shard-0003", "train/shard-0004"]
+    assert written == ["train/shard-0000", "train/shard-0001", "train/shard-0002", "valid/shard-0000",
+                       "train/shard-0003", "train/shard-0004"]
     messages = []
     assert generate_data(lm, cfg, log=messages.append) == counts
     assert "already done" in messages[0] and [f.stat().st_mtime_ns for f in files] == stamps
     train = load_split(tmp_path / "data", "train")
     assert len(train.tokens) == len(train.hidden) == train.offsets[-1] == counts["train"]
+
+
+def test_no_generate_trains_on_the_shards_a_stopped_run_left(tmp_path):
+    """generate=False: prompt files without shards yet are left out (said in the log); a split with
+    no shards at all is not evaluated; nothing is generated; no train shards at all is one error."""
+    from mlx_specdec.drafter.train import TrainConfig, run_pipeline
+    from mlx_specdec.errors import UserError
+
+    lm = make_tiny_lm()
+    lm.tokenizer._tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_text("\n".join(json.dumps({"id": i, "prompt": f"w{i} w{i + 1}"}) for i in range(1, 41)))
+    second.write_text("\n".join(json.dumps({"id": i, "prompt": f"w{i} w{i + 2}"}) for i in range(41, 81)))
+    data = tmp_path / "data"
+    generate_data(lm, DataConfig(prompts=first, out=data / "first", max_new_tokens=6, batch_size=8),
+                  log=lambda *_: None)
+    for f in (data / "first" / "valid").glob("shard-*.npz"):
+        f.unlink()  # stopped before its first held-out shard
+    cfg = TrainConfig(draft_vocab_size=32, draft_length=3, batch_size=16, epochs=1, checkpoint_every=1000)
+    log = []
+    report = run_pipeline(lm, [first, second], data, tmp_path / "head", tmp_path / "ck", cfg,
+                          measure_k=False, log=log.append, generate=False)
+    assert report["data"]["train_answers"] == 38 and report["valid"] is None
+    assert any("second: no train shards yet, left out" in m for m in log)
+    assert any("no held-out shards yet" in m for m in log)
+    assert not (data / "second").exists()  # nothing generated
+    assert (tmp_path / "head" / "model.safetensors").exists()
+    with pytest.raises(UserError, match="no distillation shards"):
+        run_pipeline(lm, [second], data, tmp_path / "head2", tmp_path / "ck2", cfg, measure_k=False,
+                     log=lambda *_: None, generate=False)
 
 
 def cli(*args, env=None):

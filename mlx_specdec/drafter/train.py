@@ -180,6 +180,8 @@ def train_head(lm, train: Sequences, cfg: TrainConfig, checkpoint_dir: Optional[
             raise UserError(f"{cfg.init_from} is a {start.config.output} head with {start.config.num_blocks} "
                             f"blocks; pass the same --output-kind and --blocks")
         draft_to_full = np.array(start.draft_to_full)
+        log(f"going on from {cfg.init_from}: its {len(draft_to_full)}-token draft vocabulary, a fresh "
+            f"optimizer and learning-rate schedule (peak {cfg.lr:g})")
     if draft_to_full is None:
         eos = sorted(lm.eos_token_ids)
         draft_to_full = draft_vocabulary(train.tokens, cfg.draft_vocab_size, vocab, always=eos)
@@ -205,7 +207,9 @@ def train_head(lm, train: Sequences, cfg: TrainConfig, checkpoint_dir: Optional[
     opt.init(head.trainable_parameters())
     step = 0
     # settings that must match for a resume (a resumed run may stop elsewhere or save more often)
-    same = {k: v for k, v in asdict(cfg).items() if k not in ("max_steps", "checkpoint_every", "compile")}
+    # (init_from only where set: checkpoints written before it existed still resume)
+    same = {k: v for k, v in asdict(cfg).items() if k not in ("max_steps", "checkpoint_every", "compile")
+            and not (k == "init_from" and v is None)}
     meta = {"train": same, "total_steps": total, "windows": len(windows)}
     if checkpoint_dir is not None:
         loaded = _load_checkpoint(Path(checkpoint_dir))
@@ -322,20 +326,25 @@ def run_pipeline(lm, prompts: Sequence[Path], data_dir: Path, output: Path, chec
 
     t0 = time.perf_counter()
     directories = [Path(data_dir) / Path(p).stem for p in prompts]  # one data directory per prompt file
-    for prompt_file, directory in zip(prompts, directories):
-        if generate:
+    if generate:
+        for prompt_file, directory in zip(prompts, directories):
             generate_data(lm, DataConfig(prompts=Path(prompt_file), out=directory,
                                          max_new_tokens=max_new_tokens, batch_size=data_batch), log=log)
-    train, valid = load_splits(directories, "train"), load_splits(directories, "valid")
+        train, valid = load_splits(directories, "train"), load_splits(directories, "valid")
+    else:  # a stopped data run: whatever shards each directory has
+        train, valid = _existing_split(directories, "train", log), _existing_split(directories, "valid", log)
+        if train is None:
+            raise UserError(f"no distillation shards under {data_dir} for these prompt files; "
+                            "run the data step first (without --no-generate)")
     log(f"data: {len(train.offsets) - 1} train answers / {len(train.tokens)} tokens, "
-        f"{len(valid.offsets) - 1} valid answers / {len(valid.tokens)} tokens")
+        + (f"{len(valid.offsets) - 1} valid answers / {len(valid.tokens)} tokens" if valid else "no valid answers"))
     if data_only:
         return {"data": {"train_tokens": int(len(train.tokens)), "valid_tokens": int(len(valid.tokens))}}
     report: Dict[str, object] = {"data": {
         "train_answers": len(train.offsets) - 1, "train_tokens": int(len(train.tokens)),
-        "valid_answers": len(valid.offsets) - 1, "valid_tokens": int(len(valid.tokens)),
-        "valid_prompt_ids": [int(i) for i in valid.prompt_ids], "max_new_tokens": max_new_tokens}}
-    if measure_k:
+        "valid_answers": len(valid.offsets) - 1 if valid else 0, "valid_tokens": int(len(valid.tokens)) if valid else 0,
+        "valid_prompt_ids": [int(i) for i in valid.prompt_ids] if valid else [], "max_new_tokens": max_new_tokens}}
+    if measure_k and valid is not None and not cfg.init_from:  # (a head to go on from brings its K)
         report["draft_vocab"] = measure_draft_vocab(lm, train, valid)
         log("draft vocabulary: " + json.dumps(report["draft_vocab"]["by_k"]))
     result = train_head(lm, train, cfg, checkpoint_dir=checkpoint_dir, log=log)
@@ -344,11 +353,22 @@ def run_pipeline(lm, prompts: Sequence[Path], data_dir: Path, output: Path, chec
                        "masked_target_fraction": round(result.masked_fraction, 4),
                        "final_loss_mean_last_50": round(float(np.mean(result.losses[-50:])), 4) if result.losses else None,
                        "params": result.head.num_params()}
-    report["valid"] = evaluate_head(result.head, lm, valid)
-    log("validation: " + json.dumps(report["valid"]))
+    report["valid"] = evaluate_head(result.head, lm, valid) if valid is not None else None
+    log("validation: " + (json.dumps(report["valid"]) if valid is not None else "no held-out shards yet"))
     save_drafter(result.head, output)
     report["size_bytes"] = sum(p.stat().st_size for p in Path(output).iterdir() if p.is_file())
     report["wall_s_total_this_run"] = round(time.perf_counter() - t0, 1)
     (Path(output) / "training.json").write_text(json.dumps(report, indent=1) + "\n")
     log(f"wrote {output} ({report['size_bytes'] / 1e6:.1f} MB)")
     return report
+
+
+def _existing_split(directories: Sequence[Path], split: str, log: Callable[[str], None]) -> Optional[Sequences]:
+    """One split over the directories that have shards of it (None if none has)."""
+    from .data import load_splits
+
+    present = [d for d in directories if any((d / split).glob("shard-[0-9]*[0-9].npz"))]
+    for d in directories:
+        if d not in present:
+            log(f"{d}: no {split} shards yet, left out")
+    return load_splits(present, split) if present else None
