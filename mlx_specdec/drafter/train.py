@@ -29,7 +29,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import UserError
-from .data import Sequences
+from .data import Sequences, load_splits
 from .head import (DrafterConfig, DrafterHead, llm_output_rows, llm_shapes, load_drafter, save_drafter,
                    tokenizer_hash)
 from .vocab import draft_vocabulary, measure_draft_vocab
@@ -322,7 +322,7 @@ def run_pipeline(lm, prompts: Sequence[Path], data_dir: Path, output: Path, chec
     """Distillation data (resumable) -> K measurement -> training (resumable) -> eval -> save.
     data_only: stop after the data (a long generation run, resumed later, trains nothing).
     generate=False: train on the shards already there (a data run stopped part-way)."""
-    from .data import DataConfig, generate_data, load_splits
+    from .data import DataConfig, generate_data
 
     t0 = time.perf_counter()
     directories = [Path(data_dir) / Path(p).stem for p in prompts]  # one data directory per prompt file
@@ -337,13 +337,15 @@ def run_pipeline(lm, prompts: Sequence[Path], data_dir: Path, output: Path, chec
             raise UserError(f"no distillation shards under {data_dir} for these prompt files; "
                             "run the data step first (without --no-generate)")
     log(f"data: {len(train.offsets) - 1} train answers / {len(train.tokens)} tokens, "
-        + (f"{len(valid.offsets) - 1} valid answers / {len(valid.tokens)} tokens" if valid else "no valid answers"))
+        + (f"{len(valid.offsets) - 1} valid answers / {len(valid.tokens)} tokens" if valid is not None else "no valid answers"))
     if data_only:
         return {"data": {"train_tokens": int(len(train.tokens)), "valid_tokens": int(len(valid.tokens))}}
     report: Dict[str, object] = {"data": {
         "train_answers": len(train.offsets) - 1, "train_tokens": int(len(train.tokens)),
-        "valid_answers": len(valid.offsets) - 1 if valid else 0, "valid_tokens": int(len(valid.tokens)) if valid else 0,
-        "valid_prompt_ids": [int(i) for i in valid.prompt_ids] if valid else [], "max_new_tokens": max_new_tokens}}
+        "valid_answers": len(valid.offsets) - 1 if valid is not None else 0,
+        "valid_tokens": int(len(valid.tokens)) if valid is not None else 0,
+        "valid_prompt_ids": [int(i) for i in valid.prompt_ids] if valid is not None else [],
+        "max_new_tokens": max_new_tokens}}
     if measure_k and valid is not None and not cfg.init_from:  # (a head to go on from brings its K)
         report["draft_vocab"] = measure_draft_vocab(lm, train, valid)
         log("draft vocabulary: " + json.dumps(report["draft_vocab"]["by_k"]))
@@ -365,8 +367,6 @@ def run_pipeline(lm, prompts: Sequence[Path], data_dir: Path, output: Path, chec
 
 def _existing_split(directories: Sequence[Path], split: str, log: Callable[[str], None]) -> Optional[Sequences]:
     """One split over the directories that have shards of it (None if none has)."""
-    from .data import load_splits
-
     present = [d for d in directories if any((d / split).glob("shard-[0-9]*[0-9].npz"))]
     for d in directories:
         if d not in present:
