@@ -64,12 +64,24 @@ def followup_rows(prompts: dict, answers: dict) -> list:
     return rows
 
 
+def evenly_spaced(rows: list, limit) -> list:
+    """At most `limit` rows spread over the whole list (every category and prompt length), in order."""
+    if limit is None or limit >= len(rows):
+        return rows
+    if limit < 1:
+        raise SystemExit("--limit must be at least 1")
+    return [rows[(i * len(rows)) // limit] for i in range(limit)]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", required=True, help="a train-drafter data directory (its train/ shards)")
     parser.add_argument("--prompts", required=True, help="the prompt file those shards were made from")
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", default="default", help="the model whose tokenizer wrote the answers")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="at most this many conversations, evenly spaced over the answered prompts "
+                             "(distilling a second turn costs more than a first: a longer prompt)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from mlx_specdec.drafter.data import load_split, load_train_prompts
@@ -82,7 +94,7 @@ def main(argv=None) -> int:
         tokens = train.tokens[train.offsets[i]:train.offsets[i + 1]].tolist()
         answers[str(pid)] = tokenizer.decode(tokens, skip_special_tokens=True)
     prompts = {str(r["id"]): r for r in load_train_prompts(Path(args.prompts))}
-    rows = followup_rows(prompts, answers)
+    rows = evenly_spaced(followup_rows(prompts, answers), args.limit)
     Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in rows))
     shapes = {k: sum(r["messages"][-1]["content"] in v for r in rows) for k, v in FOLLOWUPS.items()}
     print(f"{len(rows)} conversations ({shapes}) -> {args.out}")

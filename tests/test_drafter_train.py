@@ -173,6 +173,11 @@ def test_multi_turn_rows_distil_the_answer_to_the_last_turn_after_the_models_own
     assert counts["train"] > 0 and len(second.prompt_ids) > 0
     lengths = np.load(sorted((tmp_path / "second" / "train").glob("shard-*.npz"))[0])["prompt_lengths"]
     assert lengths.min() > len(lm.encode_chat([user]))  # the conversation, not the first turn alone
+    limited = tmp_path / "f5.jsonl"
+    assert make_followups(["--data-dir", str(tmp_path / "first"), "--prompts", str(prompts),
+                           "--out", str(limited), "--model", str(model), "--limit", "5"]) == 0
+    some = [json.loads(line) for line in limited.read_text().splitlines()]
+    assert len(some) == 5 and some == [rows[(i * len(rows)) // 5] for i in range(5)]
 
 
 def test_a_row_without_a_prompt_or_a_conversation_is_one_line(tmp_path):
