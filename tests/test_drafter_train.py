@@ -98,6 +98,28 @@ def test_no_generate_trains_on_the_shards_a_stopped_run_left(tmp_path):
                      log=lambda *_: None, generate=False)
 
 
+def test_a_report_keeps_follow_up_ids_beside_numeric_ones(tmp_path):
+    """Held-out ids of a first-turn file (numbers) and a follow-up file ("<id>+followup") are
+    concatenated as strings; training.json keeps the numbers as numbers and the rest as text."""
+    from mlx_specdec.drafter.train import TrainConfig, run_pipeline
+
+    lm = make_tiny_lm()
+    lm.tokenizer._tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_text("\n".join(json.dumps({"id": i, "prompt": f"w{i} w{i + 1}"}) for i in range(1, 41)))
+    second.write_text("\n".join(json.dumps({"id": f"{i}+followup", "messages": [
+        {"role": "user", "content": f"w{i}"}, {"role": "assistant", "content": f"w{i + 1}"},
+        {"role": "user", "content": f"w{i + 2}"}]}) for i in range(1, 41)))
+    cfg = TrainConfig(draft_vocab_size=32, draft_length=3, batch_size=16, epochs=1, checkpoint_every=1000, max_steps=2)
+    run_pipeline(lm, [first, second], tmp_path / "data", tmp_path / "head", tmp_path / "ck", cfg,
+                 max_new_tokens=4, data_batch=8, measure_k=False, log=lambda *_: None)
+    report = json.loads((tmp_path / "head" / "training.json").read_text())
+    ids = report["data"]["valid_prompt_ids"]
+    expected = [i for i in range(1, 41) if is_validation(i)] + [f"{i}+followup" for i in range(1, 41)
+                                                                if is_validation(f"{i}+followup")]
+    assert sorted(map(str, ids)) == sorted(map(str, expected)) and {type(i) for i in ids} == {int, str}
+
+
 def cli(*args, env=None):
     return subprocess.run([sys.executable, "-m", "mlx_specdec.cli", *args], capture_output=True,
                           text=True, env=dict(os.environ, **(env or {})), timeout=300)

@@ -344,7 +344,7 @@ def run_pipeline(lm, prompts: Sequence[Path], data_dir: Path, output: Path, chec
         "train_answers": len(train.offsets) - 1, "train_tokens": int(len(train.tokens)),
         "valid_answers": len(valid.offsets) - 1 if valid is not None else 0,
         "valid_tokens": int(len(valid.tokens)) if valid is not None else 0,
-        "valid_prompt_ids": [int(i) for i in valid.prompt_ids] if valid is not None else [],
+        "valid_prompt_ids": [_json_id(i) for i in valid.prompt_ids] if valid is not None else [],
         "max_new_tokens": max_new_tokens}}
     if measure_k and valid is not None and not cfg.init_from:  # (a head to go on from brings its K)
         report["draft_vocab"] = measure_draft_vocab(lm, train, valid)
@@ -363,6 +363,13 @@ def run_pipeline(lm, prompts: Sequence[Path], data_dir: Path, output: Path, chec
     (Path(output) / "training.json").write_text(json.dumps(report, indent=1) + "\n")
     log(f"wrote {output} ({report['size_bytes'] / 1e6:.1f} MB)")
     return report
+
+
+def _json_id(prompt_id):
+    """A prompt id for the report: numeric ids as numbers, others (a follow-up turn's
+    "<id>+followup") as they are. Ids of several prompt files concatenate to strings."""
+    text = str(prompt_id)
+    return int(text) if text.lstrip("-").isdigit() else text
 
 
 def _existing_split(directories: Sequence[Path], split: str, log: Callable[[str], None]) -> Optional[Sequences]:
