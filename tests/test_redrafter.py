@@ -297,3 +297,45 @@ def test_drafter_none_from_the_command_line_means_no_head(tmp_path):
     assert engine.drafter is None
     with pytest.raises(NoDrafter, match="redrafter needs a draft head"):
         run(engine, PROMPTS[0], "redrafter")
+
+
+def _second_token_after_a_cut(confidence_of, trials=4000, cutoff=0.2):
+    """One verify step over a 2-token vocabulary with the real cutoff rule (`kept_length`) and the
+    real rejection sampler: the draft x ~ q = (0.9, 0.1) is verified only where `confidence_of(q, x)`
+    clears the cutoff, otherwise the token after the target's own comes from p = (0.5, 0.5).
+    Returns how often that token is 1 (exactness: 0.5)."""
+    from mlx_specdec.acceptance import sampling_accept
+    from mlx_specdec.decoding.redrafter import kept_length
+
+    q, p = np.array([0.9, 0.1], dtype=np.float32), np.array([0.5, 0.5], dtype=np.float32)
+    rng = np.random.default_rng(0)
+    mx.random.seed(0)
+    ones = 0
+    for _ in range(trials):
+        x = int(rng.choice(2, p=q))
+        n = kept_length(np.array([[[confidence_of(q, x)]]]), cutoff)  # 1: cut, 2: verified
+        result = sampling_accept(mx.array([[0, x]])[:, :n], mx.array(np.stack([p, p])[None])[:, :n],
+                                 mx.array(q[None, None])[:, : n - 1])
+        ones += (x if int(result.num_accepted) == 1 else int(result.next_token)) == 1
+    return ones / trials
+
+
+def test_a_cutoff_on_the_drawn_token_s_probability_biases_sampling_and_one_on_max_q_does_not():
+    """Why sampled drafts report max q as their confidence: cutting a draft because of the token that
+    was drawn changes which drafts reach the rejection sampler (0.45 instead of 0.5 here); cutting it
+    on its distribution alone decides before the draw, so the output is p exactly."""
+    drawn = _second_token_after_a_cut(lambda q, x: q[x])
+    peak = _second_token_after_a_cut(lambda q, x: q.max())
+    assert abs(drawn - 0.45) < 0.025, drawn  # 4,000 trials: sd 0.008
+    assert abs(peak - 0.5) < 0.025, peak
+
+
+def test_sampled_drafts_report_the_peak_of_their_distribution_as_confidence():
+    from mlx_specdec.drafter.beam import sample_beams
+
+    lm = make_tiny_lm(seed=3)
+    head = random_head(lm, draft_vocab=97)
+    embed = lm.model.model.embed_tokens
+    drafts = sample_beams(head, embed, mx.random.normal((2, 64)), mx.array([5, 9]), 3, 4, 1.0,
+                          key=mx.random.key(1))
+    np.testing.assert_allclose(np.array(drafts.confidence), np.array(drafts.draft_probs).max(axis=-1), rtol=1e-6)

@@ -24,7 +24,10 @@ Embed = Callable[[mx.array], mx.array]  # token ids (...,) -> embeddings (..., E
 class Drafts(NamedTuple):
     beams: mx.array  # (B, W, L) int32 token ids; [:, :, 0] is the target's own token
     draft_probs: mx.array | None  # (B, W, L-1, K) draft-vocab distribution of each drafted token
-    confidence: mx.array | None = None  # (B, W, L-1) the head's probability of each drafted token
+    # (B, W, L-1) how likely each drafted position is, for the draft cutoff. Beam search: the head's
+    # probability of the drafted token. Sampled chains: the largest probability of the distribution
+    # the token was drawn from, which does not depend on the token drawn (see `sample_beams`).
+    confidence: mx.array | None = None
 
 
 def _start(head, embed: Embed, hidden: mx.array, first_token: mx.array, width: int):
@@ -93,16 +96,20 @@ def sample_beams(head, embed: Embed, hidden: mx.array, first_token: mx.array, wi
     acceptance rule needs drafts drawn from q, not chosen by beam search)."""
     state, hidden, beams = _start(head, embed, hidden, first_token, width)
     keys = mx.random.split(key, length) if key is not None else [None] * length
-    probs, chosen = [], []
+    probs, peaks = [], []
     for step in range(length - 1):
         logits = head.logits(state, hidden).astype(mx.float32) / temperature  # (B, W, K)
         probs.append(mx.softmax(logits, axis=-1))
         index = mx.random.categorical(logits, key=keys[step])  # (B, W) draft-vocabulary index
-        chosen.append(mx.take_along_axis(probs[-1], index[..., None], axis=-1)[..., 0])  # q(token)
+        # Not q(token): a cutoff on the drawn token's own probability keeps a draft more often when q
+        # overrates it, which biases the output (q = (0.9, 0.1), p = (0.5, 0.5), cutoff 0.2: the
+        # second token comes out 45 % of the time, not 50 %). A cutoff on max q is decided before
+        # the draw, so each verified depth is plain rejection sampling and each cut one samples p.
+        peaks.append(probs[-1].max(axis=-1))  # (B, W)
         token = head.draft_to_full[index]  # (B, W)
         beams = mx.concatenate([beams, token[..., None]], axis=-1)
         state = head.next_state(state, embed(token))
-    return Drafts(beams, mx.stack(probs, axis=2), mx.stack(chosen, axis=2))  # (B, W, L-1, K), (B, W, L-1)
+    return Drafts(beams, mx.stack(probs, axis=2), mx.stack(peaks, axis=2))  # (B, W, L-1, K), (B, W, L-1)
 
 
 def dedup_prefix(beams: mx.array) -> mx.array:
