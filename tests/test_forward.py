@@ -156,6 +156,33 @@ def test_keep_appended_commits_one_branch(accepted):
         np.testing.assert_allclose(_np(got_kv), _np(want_kv), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kept_rows", [[[0, 1, 2, 3], [0, 1]], [[0], [0]], [[0, 1, 4], [0, 5, 6]], [[0, 1, 2], [0, 5]]])
+def test_keep_appended_rows_commits_each_row_s_branch_and_moves_nothing_already_in_place(kept_rows):
+    """Two rows verify the same tree and keep different branches. Where every row's branch is
+    already at the front (a chain, a plain step) only the offset moves: nothing in the buffers is
+    written (a shorter row's holes keep its rejected drafts); otherwise the branches are gathered
+    down. Either way each row's kept tokens hold the plain sequence's keys and values."""
+    model = make_tiny_llama(tie=False)
+    cache = ContiguousKVCache.for_model(model)
+    forward(model, mx.array([PREFIX, PREFIX]), cache, logits_for="none")
+    positions = mx.broadcast_to(masks.tree_positions(TREE_PARENTS, len(PREFIX)), (2, len(TREE_TOKENS)))
+    mask = masks.prefix_tree_mask(TREE_PARENTS, len(PREFIX))[None, None]
+    forward(model, mx.array([TREE_TOKENS, TREE_TOKENS]), cache, positions=positions, mask=mask)
+    mx.eval(cache.state)
+    before = [_np(layer.keys) for layer in cache.layers]
+    width = max(len(k) for k in kept_rows)
+    assert cache.keep_appended_rows(len(PREFIX), kept_rows) == len(PREFIX) + width
+    in_place = all(list(k) == list(range(len(k))) for k in kept_rows)
+    if in_place:
+        for layer, buffer in zip(cache.layers, before):
+            np.testing.assert_array_equal(_np(layer.keys), buffer)
+    for row, kept in enumerate(kept_rows):
+        plain = ContiguousKVCache.for_model(model)
+        forward(model, mx.array(PREFIX + [TREE_TOKENS[j] for j in kept])[None], plain, logits_for="none")
+        for got, want in zip(cache.state, plain.state):
+            np.testing.assert_allclose(_np(got[row:row + 1, :, : len(PREFIX) + len(kept)]), _np(want), atol=1e-4, rtol=1e-4)
+
+
 def test_quantized_model_forward_matches_mlx_lm():
     model = make_tiny_llama(tie=False)
     nn.quantize(model, group_size=32, bits=4)

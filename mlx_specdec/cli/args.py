@@ -84,6 +84,11 @@ METHOD_SETTINGS = [
      "verify only the drafts the head gives at least this probability (each beam up to its first below); "
      "a step with none is a plain step; 0 = every draft (default: 0.2)",
      lambda text, flag: _fraction(text, flag)),
+    ("redrafter", "draft_trust", "--draft-trust",
+     "on = the cutoff applies to the head's probability times a running per-answer trust (accepted "
+     "over expected, learnt while decoding), so a head that is sure and wrong (a long document it "
+     "was not trained on) stops costing verifies; off = to the head's own probability (default: on)",
+     _on_off),
     ("redrafter", "beam_length", "--beam-length",
      "beam length L, the LLM's token + L-1 drafts (default: 3)", _positive_int),
     ("apar", "max_threads", "--max-threads", "most live threads per answer (default: 32)", _positive_int),

@@ -33,6 +33,7 @@ from .. import masks
 from ..acceptance import Accepted, greedy_accept, sampling_accept, target_probs
 from ..drafter.beam import pack_beams
 from ..drafting import HeadProposer, Proposal, select_rows
+from ..drafting.calibration import DraftTrust
 from ..errors import UserError
 from ..model.forward import forward
 from .base import DecodeContext, Step, new_contiguous_cache, prefill_rows
@@ -43,6 +44,7 @@ from .base import DecodeContext, Step, new_contiguous_cache, prefill_rows
 DEFAULT_BEAM_WIDTH = 1
 DEFAULT_BEAM_LENGTH = 3
 DEFAULT_DRAFT_CUTOFF = 0.2  # verify only the drafts the head gives at least this probability
+DEFAULT_DRAFT_TRUST = True  # ... times what it has earned in this answer (drafting/calibration.py)
 PHASES = ("draft_s", "pack_s", "verify_s", "accept_s", "sync_s")
 
 
@@ -59,6 +61,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     length = int(ctx.params.options.get("beam_length", DEFAULT_BEAM_LENGTH))
     profile = bool(ctx.params.options.get("profile", False))
     cutoff = float(ctx.params.options.get("draft_cutoff", DEFAULT_DRAFT_CUTOFF))
+    use_trust = bool(ctx.params.options.get("draft_trust", DEFAULT_DRAFT_TRUST))
     if width < 1 or length < 2:
         raise UserError("redrafter needs --beam-width >= 1 and --beam-length >= 2")
     if not 0.0 <= cutoff <= 1.0:
@@ -118,6 +121,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
         yield Step([int(first[b])], thread_id=b)
     emitted += 1
     rows, keep = _drop_finished(rows, [[int(t)] for t in first], emitted, eos, params.max_tokens, ctx.stopped_rows)
+    trust = DraftTrust(len(prompts))
     if rows:  # the first draft, from the prompt's last hidden state and the first tokens
         drafts = proposer.propose(token, out.hidden[:, -1])
         beams, owner, confidence = _read(drafts.beams, drafts.owner, drafts.confidence)  # host sync: the first drafts
@@ -128,11 +132,13 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
                 valid, lengths, beams, owner, confidence, emitted = (
                     a[keep] for a in (valid, lengths, beams, owner, confidence, emitted))
                 drafts = select_rows(drafts, keep)
+                trust.select_rows(keep)
             t0 = time.perf_counter()
             # Draft only where it is likely: this step verifies the drafts up to the deepest one
             # (over beams and rows) that every draft before it in its beam clears the cutoff; the
             # rest are cut from the tree. A step with none is a plain step (cost 1, not ~1.5).
-            step_length = kept_length(confidence, cutoff)
+            step_length = kept_length(trust.calibrated(confidence) if use_trust else confidence, cutoff)
+            drafted_beams, drafted_confidence = beams, confidence  # before the cut: judged after the step
             beams, owner = beams[:, :, :step_length], owner[:, :, :step_length]
             step_drafts = drafts if drafts.draft_probs is None else \
                 drafts._replace(draft_probs=drafts.draft_probs[:, :, : step_length - 1])
@@ -152,6 +158,8 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
             index = mx.array(np.stack([t.index for t in trees]).reshape(len(rows), -1))  # (B, W*L)
             t0 = mark("pack_s", t0)
 
+            if n == 1 and valid.all():  # a plain step (every draft cut) with no holes: as `ar` runs it
+                positions, mask = None, None
             out = forward(model, mx.array(tokens), cache, positions=positions, mask=mask)
             beam_logits = mx.take_along_axis(out.logits, index[..., None], axis=1)  # (B, W*L, V)
             beam_logits = beam_logits.reshape(len(rows), width, step_length, -1)  # unpacked to beams
@@ -171,6 +179,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
                 result.beam, result.num_accepted, result.next_token, drafts.beams, drafts.owner, drafts.confidence)
             mark("sync_s", t0)
 
+            trust.update(drafted_beams, drafted_confidence, best, accepted, token, verified=step_length - 1)
             kept = [trees[b].index[best[b], : accepted[b] + 1] for b in range(len(rows))]
             physical = committed
             committed = cache.keep_appended_rows(physical, kept)
@@ -186,7 +195,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
                 per_position[: accepted[b]] += 1
                 new_tokens.append([int(t) for t in beams[b, best[b], 1 : accepted[b] + 1]] + [int(token[b])])
             emitted += accepted + 1
-            _report(stats, width, length, tally, per_position, timings, profile)
+            _report(stats, width, length, tally, per_position, timings, profile, trust)
             beams, owner, confidence = next_beams, next_owner, next_confidence
             for b, thread in enumerate(rows):
                 yield Step(new_tokens[b], thread_id=thread, drafted=step_length - 1, accepted=int(accepted[b]))
@@ -221,7 +230,7 @@ def _read(*arrays):
     return [np.array(a) for a in arrays]
 
 
-def _report(stats, width, length, tally, per_position, timings, profile) -> None:
+def _report(stats, width, length, tally, per_position, timings, profile, trust) -> None:
     steps = tally["steps"]
     stats.extra.update(
         beam_width=width,
@@ -231,6 +240,9 @@ def _report(stats, width, length, tally, per_position, timings, profile) -> None
         tree_tokens_before_dedup=tally["before"],
         tree_tokens_after_dedup=tally["after"],
         compression=round(1 - tally["after"] / tally["before"], 3) if tally["before"] else 0.0,
+        draft_trust=[round(float(t), 3) for t in trust.trust],
+        judged_drafts=trust.events,
+        judged_for_free=trust.free_events,
     )
     if profile:
         stats.extra.update({k: round(v, 4) for k, v in timings.items()})

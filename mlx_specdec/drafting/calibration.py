@@ -1,0 +1,69 @@
+"""How far to trust a proposer's confidence, learnt while decoding (per batch row).
+
+A draft cutoff ("verify a draft only where the proposer gives it >= c") assumes the proposer's
+probabilities are honest. They are not everywhere: the shipped ReDrafter head, distilled on short
+chats, is as sure of itself over a 6K-token document as over a chat but right a fifth as often
+(benchmarks/results/issue18_v3_6k.md: 73 drafts verified, 6 accepted), and each of those verifies
+costs a long-context step more than a plain one. So each row keeps a running ratio
+
+    trust = (accepted + PRIOR) / (confidence of the drafts it judged + PRIOR)    (decayed sums)
+
+and the cutoff applies to min(1, trust * confidence). Trust starts at 1 (the cutoff as measured)
+and moves with evidence; every judged draft is one event at the depth it was reached:
+
+    depth k <= n            accepted                     (n: drafts the step accepted)
+    depth n + 1, verified   rejected
+    depth n + 1, cut        accepted iff it equals the target's next token (greedy: exactly what
+                            verifying it would have said; sampling: a proxy) -- for free, so a row
+                            whose drafts are all cut still learns when the head becomes right again
+
+Deeper drafts were not reached and say nothing. Speed only: the cutoff decides before any drafted
+token of the step is checked and from confidences that do not depend on the drawn tokens
+(`drafter.beam.sample_beams`), so greedy output stays the target's and sampling stays exact.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+PRIOR = 2.0  # pseudo-events at trust 1: a row needs a few drafts of evidence before trust moves far
+DECAY = 0.95  # per step: the evidence of the last ~20 steps counts (a chat can change its register)
+
+
+class DraftTrust:
+    def __init__(self, rows: int):
+        self.accepted = np.zeros(rows)  # decayed sum of judged drafts that were (or would be) accepted
+        self.expected = np.zeros(rows)  # decayed sum of the confidence given to them
+        self.events = 0  # judged drafts, all rows (reported)
+        self.free_events = 0  # of which cut drafts judged against the target's own next token
+
+    @property
+    def trust(self) -> np.ndarray:  # (B,)
+        return (self.accepted + PRIOR) / (self.expected + PRIOR)
+
+    def calibrated(self, confidence: np.ndarray) -> np.ndarray:
+        """confidence (B, W, L-1) -> min(1, trust * confidence), the same shape."""
+        return np.minimum(1.0, confidence * self.trust[:, None, None])
+
+    def select_rows(self, keep: np.ndarray) -> None:
+        self.accepted, self.expected = self.accepted[keep], self.expected[keep]
+
+    def update(self, beams: np.ndarray, confidence: np.ndarray, best: np.ndarray, accepted: np.ndarray,
+               next_token: np.ndarray, verified: int) -> None:
+        """After a step. beams (B, W, L) and confidence (B, W, L-1): the step's drafts before the cut;
+        best (B,) the beam accepted from, accepted (B,) how many of its drafts; next_token (B,) the
+        target's own token after them; verified: how many drafts per beam the step checked."""
+        self.accepted *= DECAY
+        self.expected *= DECAY
+        depths = confidence.shape[-1]
+        for b in range(len(best)):
+            w, n = int(best[b]), int(accepted[b])
+            self.accepted[b] += n
+            self.expected[b] += float(confidence[b, w, :n].sum())
+            self.events += n
+            if n < depths:  # the first draft not accepted: rejected, or cut and judged for free
+                if n >= verified:
+                    self.accepted[b] += float(beams[b, w, n + 1] == next_token[b])
+                    self.free_events += 1
+                self.expected[b] += float(confidence[b, w, n])
+                self.events += 1
