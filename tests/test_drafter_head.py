@@ -199,7 +199,27 @@ def test_init_from_goes_on_from_a_saved_head(lm, tmp_path):
     more = train_head(lm, data, TrainConfig(**base, epochs=1, lr=1e-4, init_from=str(tmp_path / "first")),
                       progress=False, log=lambda *_: None)
     assert np.mean(more.losses[:3]) < np.mean(first.losses[:3])  # it starts where the first left off
-    for other in (dict(num_blocks=3), dict(output="llm_head")):
-        with pytest.raises(UserError, match="pass the same --output-kind and --blocks"):
+    for other in (dict(num_blocks=1), dict(output="llm_head")):
+        with pytest.raises(UserError, match="pass the same --output-kind and at least as many --blocks"):
             train_head(lm, data, TrainConfig(**base, **other, init_from=str(tmp_path / "first")),
                        progress=False, log=lambda *_: None)
+
+
+def test_init_from_grows_a_head_by_blocks_that_start_as_the_identity(lm, tmp_path):
+    """--init-from with more --blocks: the old blocks keep their weights, the new ones start at zero
+    (the grown head drafts exactly as the saved one) and then learn."""
+    data = synthetic_data(lm)
+    base = dict(draft_vocab_size=64, draft_length=3, batch_size=32, checkpoint_every=1000)
+    first = train_head(lm, data, TrainConfig(**base, epochs=2), progress=False, log=lambda *_: None)
+    save_drafter(first.head, tmp_path / "first", dtype=mx.float32)
+    grown = train_head(lm, data, TrainConfig(**base, num_blocks=4, epochs=1, max_steps=0,
+                                             init_from=str(tmp_path / "first")), progress=False, log=lambda *_: None)
+    assert grown.head.config.num_blocks == 4
+    a, b = params(first.head), params(grown.head)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+    assert all(not b[k].any() for k in b if k.startswith(("blocks.2.", "blocks.3.")))
+    assert evaluate_head(grown.head, lm, data) == evaluate_head(first.head, lm, data)
+    trained = train_head(lm, data, TrainConfig(**base, num_blocks=4, epochs=1, lr=1e-3,
+                                               init_from=str(tmp_path / "first")), progress=False, log=lambda *_: None)
+    assert any(params(trained.head)[k].any() for k in b if k.startswith("blocks.3."))

@@ -49,7 +49,8 @@ def add_parser(sub) -> None:
     p.add_argument("--init-from", default=None, metavar="DIR",
                    help="go on training a saved head on this data: its weights and draft vocabulary "
                         "(--draft-vocab is then unused), a fresh optimizer whose warm-up climbs to --lr "
-                        "again (so pass a lower one, e.g. 3e-4)")
+                        "again (so pass a lower one, e.g. 3e-4); a larger --blocks grows it by blocks "
+                        "that start as the identity")
     p.set_defaults(func=cmd_train_drafter)
 
     p = sub.add_parser("train-apar", help="fine-tune an APAR adapter (LoRA + [Fork]/[Child]) for a model",

@@ -5,10 +5,13 @@ One decoding step, entered with the cache holding every committed token except t
 latest token `x`, and with the hidden state `h` that produced `x` (per batch row):
 
     draft   W beams of length L from (h, x): beam search (greedy) or W sampled chains (sampling)
+    cut     keep each beam's leading drafts whose confidence, times the row's running trust in the
+            head (drafting/calibration.py), clears the cutoff; none kept = a plain step   [host]
     pack    dedup shared prefixes -> N <= W*L distinct tokens, depths, tree mask      [host, tiny]
     verify  one forward of the N tokens at positions length + depth under the tree mask
     accept  longest run the target agrees with (greedy) or rejection sampling -> n, next token
-    commit  the cache keeps the n+1 accepted tokens (keep_appended), drops the rest
+    commit  the cache keeps the n+1 accepted tokens (keep_appended_rows: only the offset moves when
+            they already lie first, as a chain's always do), drops the rest
 
 The step's only host sync reads the acceptance result *and* the next step's drafts together: the
 next draft is built lazily from the accepted path's hidden state before anything is read back.

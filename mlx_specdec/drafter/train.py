@@ -176,12 +176,14 @@ def train_head(lm, train: Sequences, cfg: TrainConfig, checkpoint_dir: Optional[
     hidden_size, embed_size, vocab = llm_shapes(lm)
     start = load_drafter(cfg.init_from, lm) if cfg.init_from else None
     if start is not None:  # go on from a saved head: its draft vocabulary, blocks and output stay
-        if start.config.output != cfg.output or start.config.num_blocks != cfg.num_blocks:
+        if start.config.output != cfg.output or start.config.num_blocks > cfg.num_blocks:
             raise UserError(f"{cfg.init_from} is a {start.config.output} head with {start.config.num_blocks} "
-                            f"blocks; pass the same --output-kind and --blocks")
+                            f"blocks; pass the same --output-kind and at least as many --blocks")
         draft_to_full = np.array(start.draft_to_full)
-        log(f"going on from {cfg.init_from}: its {len(draft_to_full)}-token draft vocabulary, a fresh "
-            f"optimizer and learning-rate schedule (peak {cfg.lr:g})")
+        grown = cfg.num_blocks - start.config.num_blocks
+        log(f"going on from {cfg.init_from}: its {len(draft_to_full)}-token draft vocabulary"
+            + (f", {grown} more block(s) starting as the identity" if grown else "")
+            + f", a fresh optimizer and learning-rate schedule (peak {cfg.lr:g})")
     if draft_to_full is None:
         eos = sorted(lm.eos_token_ids)
         draft_to_full = draft_vocabulary(train.tokens, cfg.draft_vocab_size, vocab, always=eos)
@@ -199,7 +201,7 @@ def train_head(lm, train: Sequences, cfg: TrainConfig, checkpoint_dir: Optional[
 
     head = new_head(draft_to_full)
     if start is not None:
-        head.load_weights(tree_flatten(start.parameters()), strict=True)
+        head.load_weights(grown_weights(start, head), strict=True)
     windows = Windows(train, cfg.draft_length)
     per_epoch = max(1, len(windows) // cfg.batch_size)
     total = max(1, int(math.ceil(cfg.epochs * per_epoch)))
@@ -270,6 +272,15 @@ def train_head(lm, train: Sequences, cfg: TrainConfig, checkpoint_dir: Optional[
     finally:
         bar.close()
     return TrainResult(head, step, losses, time.perf_counter() - t0, masked_fraction)
+
+
+def grown_weights(start: DrafterHead, head: DrafterHead):
+    """`start`'s weights for `head`, which may have more residual blocks: each extra block starts at
+    zero, and g + SiLU(0 g + 0) = g, so the grown head computes exactly what `start` did and
+    training decides what the new blocks add (their gradient at zero is SiLU'(0) g = g / 2)."""
+    weights = {k: mx.zeros_like(v) for k, v in tree_flatten(head.parameters())}
+    weights.update(tree_flatten(start.parameters()))
+    return list(weights.items())
 
 
 def evaluate_head(head: DrafterHead, lm, seqs: Sequences, batch_size: int = 512,
