@@ -85,7 +85,8 @@ class Outbox:
 
     def send(self, message: Message) -> None:
         if self.error is not None:
-            raise RankFailure(f"lost the link to rank {self.peer}: {self.error}")
+            # the same words as the Inbox's: which side notices a dead peer first is a race
+            raise RankFailure(f"rank {self.peer} is gone: lost the link ({self.error})")
         if message.payload is not None:
             mx.eval(message.payload)  # computed on the caller's stream, before the hand-over
         due = 0.0
