@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -210,3 +211,33 @@ def test_a_row_without_a_prompt_or_a_conversation_is_one_line(tmp_path):
     bad.write_text(json.dumps({"id": 1, "messages": [{"role": "assistant", "content": "hi"}]}) + "\n")
     with pytest.raises(UserError, match="bad.jsonl:1 has no 'prompt' field and no 'messages'"):
         load_train_prompts(bad)
+
+
+def test_near_copies_finds_a_reworded_prompt_and_not_a_different_one():
+    from mlx_specdec.drafter.data import near_copies
+
+    bench = ["What are 5 tips for getting a better night's sleep?"]
+    found = near_copies(["what are 5 tips for getting a better night's sleep, please",
+                         "Write a haiku about a lighthouse in fog."], bench)
+    assert [f[0] for f in found] == ["what are 5 tips for getting a better night's sleep, please"]
+    assert found[0][2] >= 0.5
+
+
+def test_training_leaves_out_the_answers_of_prompts_that_nearly_copy_a_bench_prompt():
+    """The bench measures the head on prompts it never saw. A handful of generated training prompts
+    nearly copy bench prompts (a Python palindrome or prime checker, the pros and cons of a used car):
+    their answers are generated (the prompt files stay as they are, so a stopped data run resumes with
+    the same shards) and left out of training."""
+    from mlx_specdec.drafter.data import Sequences, bench_questions, keep_prompts, training_prompt_ids
+
+    root = Path(__file__).resolve().parents[1]
+    bench = bench_questions(root)
+    assert "Write a Python function that checks whether a number is prime." in bench
+    ids = set(training_prompt_ids([root / "data" / "train_prompts_large.jsonl"], bench))
+    assert 106449 not in ids and 110033 not in ids  # "...checks whether a number is prime. Explain...", used car
+    assert 104737 in ids and len(ids) > 10000  # "What is 5% of 802? Explain."
+    seqs = Sequences(np.arange(6, dtype=np.int32), np.arange(12, dtype=np.float16).reshape(6, 2),
+                     np.array([0, 2, 5, 6]), np.array([7, 106449, 9]))
+    kept = keep_prompts(seqs, ids | {7, 9})
+    assert kept.tokens.tolist() == [0, 1, 5] and kept.offsets.tolist() == [0, 2, 3]
+    assert kept.hidden.tolist() == [[0, 1], [2, 3], [10, 11]] and kept.prompt_ids.tolist() == [7, 9]

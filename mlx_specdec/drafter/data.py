@@ -75,6 +75,27 @@ def is_validation(prompt_id, fraction: float = VALID_FRACTION) -> bool:
     return (zlib.crc32(str(prompt_id).encode()) % 1000) < int(fraction * 1000)
 
 
+def word_ngrams(text: str, n: int = 3) -> set:
+    words = "".join(c.lower() if c.isalnum() else " " for c in text).split()
+    return {tuple(words[i:i + n]) for i in range(max(1, len(words) - n + 1))}
+
+
+def near_copies(texts: Sequence[str], references: Sequence[str], threshold: float = 0.5,
+                n: int = 3) -> List[Tuple[str, str, float]]:
+    """(text, reference, Jaccard) for every text whose word n-grams overlap a reference's by at
+    least `threshold`: a training prompt that nearly copies a benchmark prompt would let the head
+    memorise the answer the bench then measures."""
+    refs = [(r, word_ngrams(r, n)) for r in references]
+    found = []
+    for t in texts:
+        grams = word_ngrams(t, n)
+        for r, rgrams in refs:
+            score = len(grams & rgrams) / len(grams | rgrams)
+            if score >= threshold:
+                found.append((t, r, round(score, 3)))
+    return found
+
+
 def batched_greedy(lm, prompts: Sequence[List[int]], max_new_tokens: int) -> List[Tuple[List[int], np.ndarray]]:
     """Greedy-decode B prompts together. Returns per prompt (response ids, hidden (n, D) float16).
 
@@ -247,3 +268,42 @@ def load_splits(directories: Sequence[Path], split: str) -> Sequences:
         base += len(part.tokens)
     return Sequences(np.concatenate([p.tokens for p in parts]), np.concatenate([p.hidden for p in parts]),
                      np.concatenate(offsets), np.concatenate([p.prompt_ids for p in parts]))
+
+
+BENCH_FILES = ("prompts.jsonl", "chat_unseen.jsonl")  # what `mlx-specdec bench` measures the head on
+
+
+def bench_questions(root: Path = Path(__file__).resolve().parents[2]) -> List[str]:
+    """Every turn of the project's bench prompt files (none in an install without benchmarks/)."""
+    return [turn for name in BENCH_FILES if (root / "benchmarks" / name).exists()
+            for line in (root / "benchmarks" / name).read_text().splitlines() if line.strip()
+            for turn in json.loads(line).get("turns", [])]
+
+
+def training_prompt_ids(prompt_files: Sequence[Path], bench: Optional[Sequence[str]] = None) -> List:
+    """Ids of the rows of `prompt_files` that training may use: none of a row's user turns nearly
+    copies a bench prompt (the files are left as they are so that a stopped data run resumes with
+    the same shards; the few near copies are generated, then left out here)."""
+    bench = bench_questions() if bench is None else bench
+    ids = []
+    for path in prompt_files:
+        for row in load_train_prompts(path):
+            turns = [m["content"] for m in row_messages(row) if m["role"] == "user"]
+            if not near_copies(turns, bench):
+                ids.append(row["id"])
+    return ids
+
+
+def keep_prompts(seqs: Sequences, prompt_ids) -> Sequences:
+    """Only the answers whose prompt id is in `prompt_ids` (compared as text): a prompt taken out of
+    its file (e.g. a near copy of a bench prompt) takes its generated answer out of training too."""
+    wanted = {str(i) for i in prompt_ids}
+    keep = [j for j, pid in enumerate(seqs.prompt_ids) if str(pid) in wanted]
+    if len(keep) == len(seqs.prompt_ids):
+        return seqs
+    spans = [np.arange(seqs.offsets[j], seqs.offsets[j + 1]) for j in keep]
+    index = np.concatenate(spans) if spans else np.zeros(0, np.int64)
+    lengths = [seqs.offsets[j + 1] - seqs.offsets[j] for j in keep]
+    return Sequences(seqs.tokens[index], seqs.hidden[index],
+                     np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), seqs.prompt_ids[keep])
+

@@ -29,7 +29,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import UserError
-from .data import Sequences, load_splits
+from .data import Sequences, keep_prompts, load_splits, training_prompt_ids
 from .head import (DrafterConfig, DrafterHead, llm_output_rows, llm_shapes, load_drafter, save_drafter,
                    tokenizer_hash)
 from .vocab import draft_vocabulary, measure_draft_vocab
@@ -347,6 +347,7 @@ def run_pipeline(lm, prompts: Sequence[Path], data_dir: Path, output: Path, chec
         if train is None:
             raise UserError(f"no distillation shards under {data_dir} for these prompt files; "
                             "run the data step first (without --no-generate)")
+    train, valid = (_only_current_prompts(seqs, prompts, log) for seqs in (train, valid))
     log(f"data: {len(train.offsets) - 1} train answers / {len(train.tokens)} tokens, "
         + (f"{len(valid.offsets) - 1} valid answers / {len(valid.tokens)} tokens" if valid is not None else "no valid answers"))
     if data_only:
@@ -381,6 +382,16 @@ def _json_id(prompt_id):
     "<id>+followup") as they are. Ids of several prompt files concatenate to strings."""
     text = str(prompt_id)
     return int(text) if text.lstrip("-").isdigit() else text
+
+
+def _only_current_prompts(seqs: Optional[Sequences], prompts: Sequence[Path], log) -> Optional[Sequences]:
+    if seqs is None:
+        return None
+    kept = keep_prompts(seqs, training_prompt_ids(prompts))
+    if len(kept.prompt_ids) < len(seqs.prompt_ids):
+        log(f"left out {len(seqs.prompt_ids) - len(kept.prompt_ids)} answers: their prompts nearly copy "
+            "a bench prompt or are no longer in the prompt files")
+    return kept
 
 
 def _existing_split(directories: Sequence[Path], split: str, log: Callable[[str], None]) -> Optional[Sequences]:
