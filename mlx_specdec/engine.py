@@ -124,6 +124,19 @@ class Engine:
                 self._resources["drafter"] = load_drafter(Path(self.drafter_spec).expanduser(), self.lm)
         return self._resources["drafter"]
 
+    def drafter_for(self, spec: Optional[str]):
+        """A head by directory (bench compares several: `--drafter A,B`), loaded once; None or
+        the engine's own spec: the engine's head."""
+        if spec is None or spec == self.drafter_spec:
+            return self.drafter
+        heads = self._resources.setdefault("drafters", {})
+        if spec not in heads:
+            from .drafter.head import load_drafter
+
+            heads[spec] = None if spec == "none" else (
+                self._find_shipped_drafter() if spec == "auto" else load_drafter(Path(spec).expanduser(), self.lm))
+        return heads[spec]
+
     def _find_shipped_drafter(self):
         from .drafter.head import DrafterMismatch, load_drafter
 
@@ -135,12 +148,12 @@ class Engine:
                     continue
         return None
 
-    def _resources_for(self, method: str) -> Dict[str, object]:
+    def _resources_for(self, method: str, params: Optional[GenerationParams] = None) -> Dict[str, object]:
         resources: Dict[str, object] = {}
         if method in PREFIX_METHODS and self.prefix_store is not None:
             resources["prefix_store"] = self.prefix_store
         if method == "redrafter":
-            resources["drafter"] = self.drafter
+            resources["drafter"] = self.drafter_for(params.options.get("drafter") if params else None)
         if method == "triforce":  # for --bottom redrafter / model
             resources.update(drafter=self.drafter, draft_model=self.draft_model)
         return resources
@@ -153,7 +166,7 @@ class Engine:
                      params: Optional[GenerationParams] = None) -> Iterator[Event]:
         check_method(method)
         return stream_events(self.lm_for(method), list(prompt_ids), STRATEGIES[method],
-                             params or GenerationParams(), method, resources=self._resources_for(method))
+                             params or GenerationParams(), method, resources=self._resources_for(method, params))
 
     def generate_ids_batch(self, prompts_ids: List[List[int]], method: str = "redrafter",
                            params: Optional[GenerationParams] = None,
@@ -170,7 +183,7 @@ class Engine:
         if not prompts_ids:
             raise UserError("empty batch")
         return stream_batch(self.lm, prompts_ids, STRATEGIES[method], params or GenerationParams(), method,
-                            resources=self._resources_for(method), rows=rows, cancelled=cancelled)
+                            resources=self._resources_for(method, params), rows=rows, cancelled=cancelled)
 
     def generate_batch(self, prompts: List[str], method: str = "redrafter",
                        params: Optional[GenerationParams] = None, chat_template: bool = True) -> Iterator[Event]:

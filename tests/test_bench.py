@@ -6,6 +6,8 @@ import io
 import json
 import time
 
+import mlx.core as mx
+import numpy as np
 import pytest
 
 from mlx_specdec.bench import MethodConfig, Prompt, run_bench, run_one, summarize
@@ -175,3 +177,27 @@ def test_ar_and_redrafter_time_decoding_from_their_first_token():
         tokens, stats = run(engine, PROMPTS[1], method, max_tokens=16)
         assert stats.prefill_s <= stats.ttft_s and stats.decode_s > 0
         assert stats.generated_tokens == len(tokens) > 1
+
+
+def test_bench_compares_several_heads_each_config_decoding_with_its_own(tmp_path, monkeypatch):
+    """`bench --drafter A,B` runs redrafter once per head in the same run (a fair comparison of two
+    heads on a noisy machine); each config's decoding gets the head it names, loaded once."""
+    from mlx_specdec.drafter.head import save_drafter
+
+    engine = tiny_engine()
+    first, second = tmp_path / "a", tmp_path / "b"
+    save_drafter(random_head(engine.lm, seed=1), first, dtype=mx.float32)
+    save_drafter(random_head(engine.lm, seed=2), second, dtype=mx.float32)
+    engine.drafter_spec = str(first)
+    head_a, head_b = engine.drafter_for(str(first)), engine.drafter_for(str(second))
+    assert head_a is engine.drafter and head_b is engine.drafter_for(str(second)) and head_a is not head_b
+    assert not np.allclose(np.array(head_a.U.weight), np.array(head_b.U.weight))
+    used = []
+    original = engine._resources_for
+    monkeypatch.setattr(engine, "_resources_for",
+                        lambda method, params=None: used.append(original(method, params).get("drafter")) or original(method, params))
+    configs = [MethodConfig("ar")] + [MethodConfig("redrafter", {"drafter": str(d)}) for d in (first, second)]
+    result = run_bench(engine, BENCH_PROMPTS[:1], configs, GenerationParams(max_tokens=MAX_TOKENS))
+    assert {id(h) for h in used if h is not None} == {id(head_a), id(head_b)}
+    labels = {row["config"] for row in summary_table(render(result, "md"))}
+    assert {f"drafter={first}", f"drafter={second}"} <= labels

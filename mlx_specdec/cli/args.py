@@ -131,7 +131,8 @@ DRAFTER_HELP = "ReDrafter head directory ('auto' = the one shipped in models/ fo
 def _add_method_args(p: argparse.ArgumentParser, lists: bool = False) -> None:
     """Method settings; in `bench` they take comma lists and every combination runs."""
     kind = "comma list of " if lists else ""
-    p.add_argument("--drafter", default="auto", help=DRAFTER_HELP)
+    p.add_argument("--drafter", default="auto", help=DRAFTER_HELP + (
+        "; a comma list runs redrafter once per head, in the same run" if lists else ""))
     p.add_argument("--draft-model", default=None,
                    help="triforce --bottom model: a small model with the target's tokenizer (directory, "
                         "Hugging Face repo id or 'default')")

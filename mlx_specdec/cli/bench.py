@@ -55,7 +55,12 @@ def cmd_bench(args) -> int:
     methods = _comma_list(args.methods)
     if any(m in PIPELINE_METHODS for m in methods):
         return _bench_pipeline(args, methods)
-    configs = expand_configs(methods, method_grids(args))
+    grids = method_grids(args)
+    heads = _comma_list(args.drafter)
+    if len(heads) > 1:  # several heads compared in one run: each a redrafter setting, the first loaded now
+        grids.setdefault("redrafter", {})["drafter"] = heads
+        args.drafter = heads[0]
+    configs = expand_configs(methods, grids)
     prompts = load_prompts(args.prompts, limit=args.limit,
                            categories=_comma_list(args.categories) if args.categories else None,
                            shapes=_comma_list(args.shapes) if args.shapes else None,
@@ -65,6 +70,8 @@ def cmd_bench(args) -> int:
     if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg", ".pdf"):
         raise UserError(f"--plot writes .png, .svg or .pdf, not {args.plot!r}")
     engine = load_engine(args)
+    for head in heads[1:]:  # a missing or mismatched head stops the bench before it runs, not midway
+        engine.drafter_for(head)
     params = GenerationParams(max_tokens=args.max_tokens, temperature=args.temp, seed=args.seed)
     result = run_bench(engine, prompts, configs, params, repeats=args.repeats)
     text = render(result, args.format)
