@@ -153,16 +153,19 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
             for b, tree in enumerate(trees):
                 tokens[b, : len(tree.tokens)] = tree.tokens
             parents = [t.parents for t in trees]
-            positions = masks.ragged_tree_positions(lengths, parents, n)  # (B, N)
-            if valid.all():  # no holes: a tail mask over the tree alone; every query sees the prefix
-                mask = masks.tree_tail_mask(parents, n)  # (B, 1, N, N)
+            if valid.all() and all(np.array_equal(p, np.arange(-1, n - 1)) for p in parents):
+                # Every row a chain (one beam; a plain step when every draft is cut) and no holes:
+                # contiguous positions and the causal mask, as `ar` (and mlx-lm) run it.
+                positions, mask = None, None
             else:
-                mask = masks.ragged_tree_mask(valid, parents, n)  # (B, 1, N, P + N)
+                positions = masks.ragged_tree_positions(lengths, parents, n)  # (B, N)
+                if valid.all():  # no holes: a tail mask over the tree alone; every query sees the prefix
+                    mask = masks.tree_tail_mask(parents, n)  # (B, 1, N, N)
+                else:
+                    mask = masks.ragged_tree_mask(valid, parents, n)  # (B, 1, N, P + N)
             index = mx.array(np.stack([t.index for t in trees]).reshape(len(rows), -1))  # (B, W*L)
             t0 = mark("pack_s", t0)
 
-            if n == 1 and valid.all():  # a plain step (every draft cut) with no holes: as `ar` runs it
-                positions, mask = None, None
             out = forward(model, mx.array(tokens), cache, positions=positions, mask=mask)
             beam_logits = mx.take_along_axis(out.logits, index[..., None], axis=1)  # (B, W*L, V)
             beam_logits = beam_logits.reshape(len(rows), width, step_length, -1)  # unpacked to beams
