@@ -14,23 +14,31 @@ import argparse
 
 import mlx_specdec  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
+import numpy as np
 
 from roofline import median_ms
 
+from mlx_specdec import masks
 from mlx_specdec.cache import ContiguousKVCache
 from mlx_specdec.engine import Engine
 from mlx_specdec.model.forward import forward
 
 
-def forward_ms(model, rows: int, tokens: int, context: int, repeats: int) -> float:
+def forward_ms(model, rows: int, tokens: int, context: int, repeats: int, tree_mask: bool = False) -> float:
+    """tree_mask: the chain as ReDrafter verified it before it took the causal path (explicit
+    positions and a tail-mask array) instead of contiguous positions and SDPA's causal mask."""
     cache = ContiguousKVCache.for_model(model)
     prompt = mx.array([[1000 + (i * 7 + r) % 5000 for i in range(context)] for r in range(rows)])
     forward(model, prompt, cache, logits_for="none")
     mx.eval(cache.state)
     query = mx.array([[5 + i for i in range(tokens)] for _ in range(rows)])
 
+    chain = [list(range(-1, tokens - 1))] * rows
+    positions = masks.ragged_tree_positions(np.full(rows, context), chain, tokens) if tree_mask else None
+    mask = masks.tree_tail_mask(chain, tokens) if tree_mask else None
+
     def step():
-        out = forward(model, query, cache, logits_for="all")
+        out = forward(model, query, cache, positions=positions, mask=mask, logits_for="all")
         mx.eval(out.logits)
         cache.trim(tokens)  # the next repeat sees the same context
 
@@ -42,19 +50,26 @@ def main():
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--tokens", default="1,2,3,4,6,8,12,16")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--tree-mask", action="store_true",
+                        help="add a column: T tokens in one row with explicit positions and a tree (tail) mask")
     args = parser.parse_args()
     model = Engine.load("default").lm.model
     counts = [int(t) for t in args.tokens.split(",")]
     print(f"context {args.context} tokens; median of {args.repeats} forwards; mlx {mx.__version__}, "
           f"{mx.default_device()}")
-    print("| T | T tokens in one row (ms) | x one token | T rows of one token (ms) | x one token |")
-    print("|---:|---:|---:|---:|---:|")
+    extra = " with a tree mask (ms) | x one token |" if args.tree_mask else ""
+    print("| T | T tokens in one row (ms) | x one token | T rows of one token (ms) | x one token |" + extra)
+    print("|---:|---:|---:|---:|---:|" + ("---:|---:|" if args.tree_mask else ""))
     one = None
     for t in counts:
         row = forward_ms(model, 1, t, args.context, args.repeats)
         rows = forward_ms(model, t, 1, args.context, args.repeats)
         one = one or row
-        print(f"| {t} | {row:.1f} | {row / one:.2f} | {rows:.1f} | {rows / one:.2f} |", flush=True)
+        tree = ""
+        if args.tree_mask:
+            tree_ms = forward_ms(model, 1, t, args.context, args.repeats, tree_mask=True)
+            tree = f" {tree_ms:.1f} | {tree_ms / one:.2f} |"
+        print(f"| {t} | {row:.1f} | {row / one:.2f} | {rows:.1f} | {rows / one:.2f} |" + tree, flush=True)
 
 
 if __name__ == "__main__":
