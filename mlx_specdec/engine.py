@@ -116,12 +116,7 @@ class Engine:
     def drafter(self):
         """The ReDrafter head for this model, loaded on first use (None if there is none)."""
         if "drafter" not in self._resources:
-            from .drafter.head import load_drafter
-
-            if self.drafter_spec in (None, "auto"):
-                self._resources["drafter"] = self._find_shipped_drafter() if self.drafter_spec else None
-            else:
-                self._resources["drafter"] = load_drafter(Path(self.drafter_spec).expanduser(), self.lm)
+            self._resources["drafter"] = self._load_head(self.drafter_spec)
         return self._resources["drafter"]
 
     def drafter_for(self, spec: Optional[str]):
@@ -131,11 +126,18 @@ class Engine:
             return self.drafter
         heads = self._resources.setdefault("drafters", {})
         if spec not in heads:
-            from .drafter.head import load_drafter
-
-            heads[spec] = None if spec == "none" else (
-                self._find_shipped_drafter() if spec == "auto" else load_drafter(Path(spec).expanduser(), self.lm))
+            heads[spec] = self._load_head(spec)
         return heads[spec]
+
+    def _load_head(self, spec: Optional[str]):
+        """None / 'none': no head; 'auto': the one shipped in models/ for this model; else a directory."""
+        if spec in (None, "none"):
+            return None
+        if spec == "auto":
+            return self._find_shipped_drafter()
+        from .drafter.head import load_drafter
+
+        return load_drafter(Path(spec).expanduser(), self.lm)
 
     def _find_shipped_drafter(self):
         from .drafter.head import DrafterMismatch, load_drafter

@@ -347,7 +347,8 @@ def run_pipeline(lm, prompts: Sequence[Path], data_dir: Path, output: Path, chec
         if train is None:
             raise UserError(f"no distillation shards under {data_dir} for these prompt files; "
                             "run the data step first (without --no-generate)")
-    train, valid = (_only_current_prompts(seqs, prompts, log) for seqs in (train, valid))
+    usable = training_prompt_ids(prompts)
+    train, valid = (_only_current_prompts(seqs, usable, log) for seqs in (train, valid))
     log(f"data: {len(train.offsets) - 1} train answers / {len(train.tokens)} tokens, "
         + (f"{len(valid.offsets) - 1} valid answers / {len(valid.tokens)} tokens" if valid is not None else "no valid answers"))
     if data_only:
@@ -384,10 +385,10 @@ def _json_id(prompt_id):
     return int(text) if text.lstrip("-").isdigit() else text
 
 
-def _only_current_prompts(seqs: Optional[Sequences], prompts: Sequence[Path], log) -> Optional[Sequences]:
+def _only_current_prompts(seqs: Optional[Sequences], usable_ids: Sequence, log) -> Optional[Sequences]:
     if seqs is None:
         return None
-    kept = keep_prompts(seqs, training_prompt_ids(prompts))
+    kept = keep_prompts(seqs, usable_ids)
     if len(kept.prompt_ids) < len(seqs.prompt_ids):
         log(f"left out {len(seqs.prompt_ids) - len(kept.prompt_ids)} answers: their prompts nearly copy "
             "a bench prompt or are no longer in the prompt files")
