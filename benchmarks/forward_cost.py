@@ -50,13 +50,14 @@ def main():
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--tokens", default="1,2,3,4,6,8,12,16")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--model", default="default", help="as `mlx-specdec bench --model` (default: default)")
     parser.add_argument("--tree-mask", action="store_true",
                         help="add a column: T tokens in one row with explicit positions and a tree (tail) mask")
     args = parser.parse_args()
-    model = Engine.load("default").lm.model
+    model = Engine.load(args.model).lm.model
     counts = [int(t) for t in args.tokens.split(",")]
     print(f"context {args.context} tokens; median of {args.repeats} forwards; mlx {mx.__version__}, "
-          f"{mx.default_device()}")
+          f"{mx.default_device()} ({mx.device_info().get('device_name', '?')}), model {args.model}")
     extra = " with a tree mask (ms) | x one token |" if args.tree_mask else ""
     print("| T | T tokens in one row (ms) | x one token | T rows of one token (ms) | x one token |" + extra)
     print("|---:|---:|---:|---:|---:|" + ("---:|---:|" if args.tree_mask else ""))

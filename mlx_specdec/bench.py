@@ -112,7 +112,7 @@ def environment(engine: Engine) -> Dict[str, object]:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
-        "device": str(mx.default_device()),
+        "device": f"{mx.default_device()} ({_device_name()})",
         "blas": _blas.loaded_blas,
         "malloc": _allocator.allocator,
         "machine": f"{platform.system()} {platform.machine()}, {__import__('os').cpu_count()} cores",
@@ -122,6 +122,15 @@ def environment(engine: Engine) -> Dict[str, object]:
         "bits": lm.bits or (32 if lm.dtype == "float32" else 16),
         "git_commit": commit or "unknown",
     }
+
+
+def _device_name() -> str:
+    import mlx.core as mx
+
+    try:
+        return str(mx.device_info().get("device_name", "?"))
+    except Exception:  # an older MLX or a backend without the query: the device's kind is still named
+        return "?"
 
 
 def run_one(engine: Engine, prompt: Prompt, config: MethodConfig, base: GenerationParams):

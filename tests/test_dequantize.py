@@ -10,6 +10,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_specdec.errors import UnsupportedModel
+from mlx_specdec.model import loader
 from mlx_specdec.model.loader import float32_bytes, should_dequantize
 
 from conftest import make_tiny_llama
@@ -47,6 +48,25 @@ def test_auto_dequantizes_a_small_quantized_model_on_the_cpu_and_never_an_unquan
 
 
 @pytest.mark.slow
+def test_a_cuda_gpu_counts_as_a_gpu_not_as_the_cpu(monkeypatch):
+    """Linux with MLX's CUDA backend has no Metal: it must still get the checkpoint's dtype and its
+    quantized weights as they are (a CPU-only rule there cost a 6-bit model's speed on an H200)."""
+    model = nn.Embedding(8, 64)
+    model = nn.QuantizedEmbedding.from_embedding(model, group_size=64, bits=4)
+    assert loader.on_cpu() and loader.default_dtype({"torch_dtype": "float16"}) == "float32"
+
+    class FakeCuda:
+        @staticmethod
+        def is_available():
+            return True
+
+    monkeypatch.setattr(loader.mx, "cuda", FakeCuda)
+    monkeypatch.setattr(loader.mx, "default_device", lambda: mx.gpu)
+    assert not loader.on_cpu()
+    assert loader.default_dtype({"torch_dtype": "float16"}) == "float16"
+    assert not should_dequantize(model, 4, "auto") and should_dequantize(model, 4, "on")
+
+
 def test_the_4bit_default_model_writes_the_same_text_dequantized():
     cli = [sys.executable, "-m", "mlx_specdec.cli", "generate", "-m", "default-4bit", "--max-tokens", "24",
            "-p", "Name three colours of the rainbow."]

@@ -15,7 +15,7 @@ MODEL_HELP = ("model: 'default' (embedded SmolLM2-135M-Instruct), 'default-4bit'
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default="default", help=MODEL_HELP)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                   help="compute dtype; auto = float32 on the CPU, the model's own on Metal")
+                   help="compute dtype; auto = float32 on the CPU, the model's own on a GPU (Metal, CUDA)")
     p.add_argument("--dequantize", default="auto", choices=["auto", "on", "off"],
                    help="expand a quantized model's weights once at load: MLX's quantized matmul is slow on "
                         "the CPU for more than one row (prefill, verify); auto = on the CPU when the float32 "

@@ -173,10 +173,18 @@ def _check_safetensors_header(shard: Path) -> None:
         raise CorruptModel(f"corrupt safetensors file {shard}: {exc}") from None
 
 
+def on_cpu() -> bool:
+    """MLX computes on the CPU: the default device is the CPU, or no GPU backend (Metal on a Mac,
+    CUDA on Linux) is present."""
+    cuda = getattr(mx, "cuda", None)
+    gpu = mx.metal.is_available() or bool(cuda and cuda.is_available())
+    return mx.default_device() == mx.cpu or not gpu
+
+
 def default_dtype(config: dict) -> str:
     """float32 on the CPU (MLX's float16 and 4-bit matmuls are slower there: design.md);
-    the checkpoint's own dtype on Metal."""
-    if mx.default_device() == mx.cpu or not mx.metal.is_available():
+    the checkpoint's own dtype on a GPU."""
+    if on_cpu():
         return "float32"
     return config.get("torch_dtype") or "float16"
 
@@ -209,7 +217,7 @@ def should_dequantize(model: nn.Module, bits: Optional[int], choice: str) -> boo
         return False
     if choice == "on":
         return True
-    if not (mx.default_device() == mx.cpu or not mx.metal.is_available()):
+    if not on_cpu():
         return False
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return float32_bytes(model) <= DEQUANTIZE_RAM_SHARE * ram
