@@ -73,10 +73,24 @@ def _grouped_for(keys: int) -> bool:
     return keys >= GROUPED_MIN_KEYS and mx.default_device() == mx.cpu
 
 
+#: On CUDA, MLX 0.32's fused attention over more than one query runs a cuDNN graph built for each
+#: (queries, keys) shape: a verify meets a new key count every step and paid a build each time
+#: (25 ms against a 4 ms forward on an H200: benchmarks/results/issue18_h200_cuda/). Up to this many
+#: queries the composed path runs there instead; a long prefill keeps cuDNN (one build per prompt).
+CUDA_COMPOSED_MAX_QUERIES = 64
+
+
+def _verify_on_cuda(queries: int) -> bool:
+    cuda = getattr(mx, "cuda", None)
+    return (1 < queries <= CUDA_COMPOSED_MAX_QUERIES and mx.default_device() == mx.gpu
+            and bool(cuda and cuda.is_available()))
+
+
 def use_grouped(queries: mx.array, keys: mx.array) -> bool:
     """The grouped path only where it was measured to pay: the CPU and a long cache (any number
-    of queries: a one-token step, a verify, a prefill chunk; benchmarks/results/attention_cost_cpu.md)."""
-    return _grouped_for(keys.shape[2])
+    of queries: a one-token step, a verify, a prefill chunk; benchmarks/results/attention_cost_cpu.md),
+    and on CUDA a few queries (a verify: `CUDA_COMPOSED_MAX_QUERIES`)."""
+    return _grouped_for(keys.shape[2]) or _verify_on_cuda(queries.shape[2])
 
 
 def _with_visible_prefix(mask: mx.array, keys: int) -> mx.array:
