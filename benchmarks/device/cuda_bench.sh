@@ -22,19 +22,20 @@ fi
 export PYTHONPATH="$X/site:$PWD" PYTHONUNBUFFERED=1 MLX_SPECDEC_NO_OPENBLAS=1
 M=$X/model
 D=models/drafter-smollm2-135m
-LIMIT="--limit 8"; LIMIT16="--limit 16"; TOKENS=64
-[ -n "$QUICK" ] && { LIMIT="--limit 1"; LIMIT16="--limit 1"; TOKENS=8; }
+LIMIT="--limit 8"; TOKENS=64
+[ -n "$QUICK" ] && { LIMIT="--limit 1"; TOKENS=8; REPEATS=1; }
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
   $PY -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), mx.device_info())" 2>&1
 } | tee "$OUT/environment.txt"
 
+LOGS=$(mktemp -d)  # logs stay there: at most 8 files come back from $OUT
 step() {  # step NAME SECONDS COMMAND...: run under a limit, keep its log
     local name=$1 limit=$2; shift 2
     echo "== $name"
     local t0=$SECONDS
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-    echo "   rc $? in $((SECONDS - t0)) s"; tail -3 "$OUT/$name.log"
+    timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
+    echo "   rc $? in $((SECONDS - t0)) s"; tr '\r' '\n' < "$LOGS/$name.log" | grep -v "^bench:" | tail -4
 }
 bench() {  # bench NAME SECONDS ARGS...: ar against redrafter, the report as markdown
     local name=$1 limit=$2; shift 2
@@ -43,14 +44,17 @@ bench() {  # bench NAME SECONDS ARGS...: ar against redrafter, the report as mar
 }
 
 # What a T-token forward costs against one token: the number that decides whether verifying pays.
-step forward_cost 45 $PY benchmarks/forward_cost.py --model "$M" --context 150 --tokens 1,2,3,4,6,8,16 --repeats 20
+step forward_cost 45 $PY benchmarks/forward_cost.py --model "$M" --context 150 --tokens 1,2,3,4,6,8 --repeats 20
+cp "$LOGS/forward_cost.log" "$OUT/forward_cost.md"
 # The figure: the chat prompts the head never saw, the shipped defaults (W1 L3 cutoff 0.2).
-bench unseen_native 90 --methods ar,redrafter --prompts benchmarks/chat_unseen.jsonl $LIMIT
-# Where a verify is nearly free, longer and wider drafts may pay: the sweep the CPU chose W1 L3 by.
-bench unseen_sweep 120 --methods ar,redrafter --prompts benchmarks/chat_unseen.jsonl $LIMIT \
-    --beam-width 1,2,4 --beam-length 3,5 --draft-cutoff 0
-# The project's prompts, and the same weights in float32 (the CPU's numerics: acceptance comparable).
-bench prompts16_native 90 --methods ar,redrafter $LIMIT16
-bench unseen_float32 75 --methods ar,redrafter --prompts benchmarks/chat_unseen.jsonl $LIMIT --dtype float32 --dequantize on
-bench unseen_profile 60 --methods redrafter --prompts benchmarks/chat_unseen.jsonl $LIMIT --profile
+# Three repeats in one process: the first pays MLX-CUDA's kernel compiles (a cold process's first
+# repeat took ~80 s on an H200 in 2026-11); benchmarks/device/per_repeat.py shows each apart.
+bench unseen_native 200 --methods ar,redrafter --prompts benchmarks/chat_unseen.jsonl $LIMIT --repeats ${REPEATS:-3}
+# The same weights in float32 (the CPU's numerics: acceptance comparable, no cuDNN attention).
+bench unseen_float32 170 --methods ar,redrafter --prompts benchmarks/chat_unseen.jsonl $LIMIT --repeats ${REPEATS:-3} \
+    --dtype float32 --dequantize on
+# Where a verify is nearly free, wider and longer drafts may pay.
+bench unseen_sweep 170 --methods ar,redrafter --prompts benchmarks/chat_unseen.jsonl $LIMIT --repeats 2 \
+    --beam-width 1,4 --beam-length 3,5 --draft-cutoff 0
+$PY benchmarks/device/per_repeat.py "$OUT"/*.md | tee "$OUT/per_repeat.txt"
 echo "== done"
