@@ -87,3 +87,18 @@ def tree_path(parents, i):
         path.append(i)
         i = parents[i]
     return path[::-1]
+
+
+@pytest.fixture
+def fake_cuda_gpu(monkeypatch):
+    """MLX as it looks on Linux with the CUDA backend (no Metal, the default device a GPU), for the
+    rules that choose by backend; the arrays still live where they do here."""
+    from mlx_specdec.model import device
+
+    class FakeCuda:
+        @staticmethod
+        def is_available():
+            return True
+
+    monkeypatch.setattr(device.mx, "cuda", FakeCuda)
+    monkeypatch.setattr(device.mx, "default_device", lambda: mx.gpu)

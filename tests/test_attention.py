@@ -78,16 +78,9 @@ def test_the_grouped_path_is_used_only_on_the_cpu_over_a_long_cache(monkeypatch)
     assert attention.use_grouped(q, k) == (mx.default_device() == mx.cpu)
 
 
-def test_on_cuda_a_verify_takes_the_composed_path_and_a_long_prefill_keeps_the_fused_one(monkeypatch):
+def test_on_cuda_a_verify_takes_the_composed_path_and_a_long_prefill_keeps_the_fused_one(fake_cuda_gpu):
     """MLX-CUDA's fused attention builds a cuDNN graph per (queries, keys) shape; a verify's key
     count grows every step. A one-token step and a long prefill keep the fused kernels."""
-    class FakeCuda:
-        @staticmethod
-        def is_available():
-            return True
-
-    monkeypatch.setattr(attention.mx, "cuda", FakeCuda)
-    monkeypatch.setattr(attention.mx, "default_device", lambda: mx.gpu)
     for T, composed in [(1, False), (2, True), (16, True), (attention.CUDA_COMPOSED_MAX_QUERIES + 1, False)]:
         q, k, _ = random_qkv(1, 9, 3, T, T + 40)
         assert attention.use_grouped(q, k) == composed, T

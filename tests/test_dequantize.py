@@ -47,26 +47,20 @@ def test_auto_dequantizes_a_small_quantized_model_on_the_cpu_and_never_an_unquan
         should_dequantize(model, 4, "maybe")
 
 
-@pytest.mark.slow
-def test_a_cuda_gpu_counts_as_a_gpu_not_as_the_cpu(monkeypatch):
+def test_a_cuda_gpu_counts_as_a_gpu_not_as_the_cpu(request):
     """Linux with MLX's CUDA backend has no Metal: it must still get the checkpoint's dtype and its
     quantized weights as they are (a CPU-only rule there cost a 6-bit model's speed on an H200)."""
     model = nn.Embedding(8, 64)
     model = nn.QuantizedEmbedding.from_embedding(model, group_size=64, bits=4)
     assert loader.on_cpu() and loader.default_dtype({"torch_dtype": "float16"}) == "float32"
 
-    class FakeCuda:
-        @staticmethod
-        def is_available():
-            return True
-
-    monkeypatch.setattr(loader.mx, "cuda", FakeCuda)
-    monkeypatch.setattr(loader.mx, "default_device", lambda: mx.gpu)
+    request.getfixturevalue("fake_cuda_gpu")
     assert not loader.on_cpu()
     assert loader.default_dtype({"torch_dtype": "float16"}) == "float16"
     assert not should_dequantize(model, 4, "auto") and should_dequantize(model, 4, "on")
 
 
+@pytest.mark.slow
 def test_the_4bit_default_model_writes_the_same_text_dequantized():
     cli = [sys.executable, "-m", "mlx_specdec.cli", "generate", "-m", "default-4bit", "--max-tokens", "24",
            "-p", "Name three colours of the rainbow."]

@@ -26,6 +26,7 @@ from typing import Union
 import mlx.core as mx
 
 from .. import masks
+from .device import on_cuda
 
 Mask = Union[None, str, mx.array]
 
@@ -81,9 +82,7 @@ CUDA_COMPOSED_MAX_QUERIES = 64
 
 
 def _verify_on_cuda(queries: int) -> bool:
-    cuda = getattr(mx, "cuda", None)
-    return (1 < queries <= CUDA_COMPOSED_MAX_QUERIES and mx.default_device() == mx.gpu
-            and bool(cuda and cuda.is_available()))
+    return 1 < queries <= CUDA_COMPOSED_MAX_QUERIES and on_cuda()
 
 
 def use_grouped(queries: mx.array, keys: mx.array) -> bool:

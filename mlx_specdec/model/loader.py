@@ -24,6 +24,7 @@ import mlx.nn as nn
 
 from ..errors import CorruptModel, ModelNotFound, UnsupportedModel
 from .default import ensure_default_model, home
+from .device import on_cpu
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 
@@ -171,14 +172,6 @@ def _check_safetensors_header(shard: Path) -> None:
             raise ValueError(f"truncated: needs {8 + header_len + end} bytes, has {size}")
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
         raise CorruptModel(f"corrupt safetensors file {shard}: {exc}") from None
-
-
-def on_cpu() -> bool:
-    """MLX computes on the CPU: the default device is the CPU, or no GPU backend (Metal on a Mac,
-    CUDA on Linux) is present."""
-    cuda = getattr(mx, "cuda", None)
-    gpu = mx.metal.is_available() or bool(cuda and cuda.is_available())
-    return mx.default_device() == mx.cpu or not gpu
 
 
 def default_dtype(config: dict) -> str:

@@ -1,0 +1,23 @@
+"""Where MLX computes: the CPU, or a GPU through Metal (a Mac) or CUDA (Linux with mlx-cuda).
+
+The rules that depend on it (float32 on the CPU, dequantize a quantized model there, attention paths)
+ask here, so a backend is recognised in one place.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+def cuda_available() -> bool:
+    cuda = getattr(mx, "cuda", None)  # absent from older MLX builds
+    return bool(cuda and cuda.is_available())
+
+
+def on_cpu() -> bool:
+    """MLX computes on the CPU: the default device is the CPU, or no GPU backend is present."""
+    return mx.default_device() == mx.cpu or not (mx.metal.is_available() or cuda_available())
+
+
+def on_cuda() -> bool:
+    return mx.default_device() == mx.gpu and cuda_available()
