@@ -2,6 +2,7 @@
 computes: every mask kind, GQA groups, batches; a masked key adds exactly nothing; the fast exp's
 error; and on a tiny model with the path forced on, every method's greedy output is still `ar`'s."""
 
+import math
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -78,12 +79,25 @@ def test_the_grouped_path_is_used_only_on_the_cpu_over_a_long_cache(monkeypatch)
     assert attention.use_grouped(q, k) == (mx.default_device() == mx.cpu)
 
 
-def test_on_cuda_a_verify_takes_the_composed_path_and_a_long_prefill_keeps_the_fused_one(fake_cuda_gpu):
-    """MLX-CUDA's fused attention builds a cuDNN graph per (queries, keys) shape; a verify's key
-    count grows every step. A one-token step and a long prefill keep the fused kernels."""
-    for T, composed in [(1, False), (2, True), (16, True), (attention.CUDA_COMPOSED_MAX_QUERIES + 1, False)]:
-        q, k, _ = random_qkv(1, 9, 3, T, T + 40)
-        assert attention.use_grouped(q, k) == composed, T
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "bool_tail", "additive"])
+def test_on_cuda_a_verify_pads_its_keys_to_a_bucket_and_attends_the_same(fake_cuda_gpu, mask_kind):
+    """MLX-CUDA's fused attention builds a cuDNN graph per (queries, keys) shape, and a verify's key
+    count grows every step: a verify's keys are padded (masked out) to a multiple of the bucket.
+    One-token steps and long prefills keep their own shapes."""
+    T, S = 3, 300
+    q, k, v = random_qkv(1, 9, 3, T, S)
+    tail = mx.array(np.tril(np.ones((T, T), dtype=bool)))
+    mask = {"none": None, "causal": "causal", "bool_tail": tail,
+            "additive": mx.where(tail, 0.0, -math.inf).astype(mx.float32)}[mask_kind]
+    keys, values, padded_mask = attention.bucket_keys(q, k, v, mask)
+    assert keys.shape[2] == values.shape[2] == 2 * attention.CUDA_KEY_BUCKET
+    assert padded_mask.shape[-1] == keys.shape[2]
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=attention.full_width(mask, q, k))
+    got = attention.attention_over_cache(q, k, v, 0.125, mask)
+    assert np.allclose(np.array(got), np.array(want), atol=1e-5)
+    for queries in (1, attention.CUDA_VERIFY_MAX_QUERIES + 1):
+        assert not attention._verify_on_cuda(queries)
+    assert attention._verify_on_cuda(2) and not attention.use_grouped(q, k)
 
 
 @pytest.mark.parametrize("method,options", [("redrafter", {"beam_width": 2, "beam_length": 4, "draft_cutoff": 0.0}), ("ar", {})])

@@ -64,7 +64,8 @@ def test_rows_keep_their_own_trust_when_the_batch_shrinks():
 
 def drafted_and_output(engine, prompt, trust, max_tokens=40):
     params = GenerationParams(max_tokens=max_tokens, options={"beam_width": 1, "beam_length": 4,
-                                                              "draft_cutoff": 0.2, "draft_trust": trust})
+                                                              "draft_cutoff": 0.2, "draft_trust": trust,
+                                                              "lookup": 0})  # the head's drafts alone
     events = list(engine.generate_ids(prompt, "redrafter", params))
     tokens = [t for e in events if e.kind == "token" for t in e.tokens]
     return sum(e.drafted for e in events if e.kind == "token"), tokens, events[-1].stats

@@ -1,5 +1,6 @@
 """ReDrafter decoding on tiny random Llamas: greedy output identical to plain decoding, for a
-random draft head (few acceptances) and a bigram "oracle" head (many), across beam shapes."""
+random draft head (few acceptances) and a bigram "oracle" head (many), across beam shapes. The
+head alone (`"lookup": 0`): prompt lookup in front of it is tested in test_redrafter_lookup.py."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -99,7 +100,7 @@ def test_greedy_redrafter_equals_plain_decoding_with_a_random_head(width, length
     engine = engine_with(lm, random_head(lm, seed=seed))
     for prompt in PROMPTS:
         want, _ = run(engine, prompt, "ar", max_tokens=30)
-        params = GenerationParams(max_tokens=30, options={"beam_width": width, "beam_length": length, "draft_cutoff": 0.0})
+        params = GenerationParams(max_tokens=30, options={"beam_width": width, "beam_length": length, "draft_cutoff": 0.0, "lookup": 0})
         events = list(engine.generate_ids(prompt, "redrafter", params))
         got = [t for e in events if e.kind == "token" for t in e.tokens]
         assert got == want
@@ -114,7 +115,7 @@ def test_greedy_redrafter_equals_plain_decoding_with_accepted_drafts(width, leng
     deep = 0
     for prompt in PROMPTS:
         want, _ = run(engine, prompt, "ar", max_tokens=40)
-        params = GenerationParams(max_tokens=40, options={"beam_width": width, "beam_length": length, "draft_cutoff": 0.0})
+        params = GenerationParams(max_tokens=40, options={"beam_width": width, "beam_length": length, "draft_cutoff": 0.0, "lookup": 0})
         events = list(engine.generate_ids(prompt, "redrafter", params))
         stats = events[-1].stats
         assert [t for e in events if e.kind == "token" for t in e.tokens] == want
@@ -131,12 +132,12 @@ def test_eos_and_max_tokens_inside_an_accepted_run():
     engine = engine_with(lm, oracle_head(lm, PROMPTS, corrupt=0.0))
     want, _ = run(engine, PROMPTS[0], "ar", max_tokens=40)
     for n in (1, 2, 3, 7, 11):
-        got, stats = run(engine, PROMPTS[0], "redrafter", max_tokens=n, options={"beam_length": 5, "draft_cutoff": 0.0})
+        got, stats = run(engine, PROMPTS[0], "redrafter", max_tokens=n, options={"beam_length": 5, "draft_cutoff": 0.0, "lookup": 0})
         assert got == want[:n] and stats.finish_reason == "length"
     eos = want[6]
     stopping = make_tiny_lm(seed=3, eos_id=eos)
     got, stats = run(engine_with(stopping, oracle_head(lm, PROMPTS, corrupt=0.0)), PROMPTS[0],
-                     "redrafter", max_tokens=40, options={"beam_length": 5, "draft_cutoff": 0.0})
+                     "redrafter", max_tokens=40, options={"beam_length": 5, "draft_cutoff": 0.0, "lookup": 0})
     assert got == want[: want.index(eos)] and stats.finish_reason == "stop"
 
 
@@ -154,7 +155,7 @@ def test_stopping_early_leaves_the_engine_reusable():
 def test_seeded_sampling_is_reproducible():
     lm = make_tiny_lm(seed=3, eos_id=96)
     engine = engine_with(lm, oracle_head(lm, PROMPTS))
-    options = {"beam_width": 2, "beam_length": 4, "draft_cutoff": 0.0}
+    options = {"beam_width": 2, "beam_length": 4, "draft_cutoff": 0.0, "lookup": 0}
     a, _ = run(engine, PROMPTS[0], "redrafter", max_tokens=25, temperature=1.0, seed=7, options=options)
     b, _ = run(engine, PROMPTS[0], "redrafter", max_tokens=25, temperature=1.0, seed=7, options=options)
     assert a == b and len(a) == 25
@@ -194,7 +195,7 @@ def test_greedy_redrafter_with_a_draft_cutoff_equals_plain_decoding_and_verifies
     for prompt in PROMPTS:
         want, _ = run(engine, prompt, "ar", max_tokens=40)
         params = GenerationParams(max_tokens=40, options={"beam_width": width, "beam_length": length,
-                                                          "draft_cutoff": cutoff})
+                                                          "draft_cutoff": cutoff, "lookup": 0})
         events = list(engine.generate_ids(prompt, "redrafter", params))
         assert [t for e in events if e.kind == "token" for t in e.tokens] == want
         drafted = [e.drafted for e in events if e.kind == "token"][1:]  # the first token is the prefill's
@@ -214,7 +215,7 @@ def test_batched_prompts_each_equal_their_own_plain_decoding(width, length):
     prompts = PROMPTS + [[7], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
     want = [run(engine, p, "ar", max_tokens=30)[0] for p in prompts]
     got, stats = run_batch(engine, prompts, max_tokens=30,
-                           options={"beam_width": width, "beam_length": length, "draft_cutoff": 0.0})
+                           options={"beam_width": width, "beam_length": length, "draft_cutoff": 0.0, "lookup": 0})
     assert got == want
     assert stats.forward_passes < sum(len(w) for w in want) / len(prompts)  # speculation worked
 
@@ -228,7 +229,7 @@ def test_batch_rows_stop_on_their_own():
     engine = engine_with(stopping, random_head(stopping))
     prompts = [PROMPTS[0], PROMPTS[1]]
     want = [run(engine, p, "ar", max_tokens=12)[0] for p in prompts]
-    got, _ = run_batch(engine, prompts, max_tokens=12, options={"beam_width": 2, "beam_length": 3, "draft_cutoff": 0.0})
+    got, _ = run_batch(engine, prompts, max_tokens=12, options={"beam_width": 2, "beam_length": 3, "draft_cutoff": 0.0, "lookup": 0})
     assert got == want and len(got[0]) == 4
 
 
@@ -241,6 +242,13 @@ def test_only_redrafter_decodes_batches():
 
 @pytest.mark.parametrize("temperature,top_p,cutoff", [(1.0, 1.0, 0.0), (2.0, 0.3, 0.0), (1.0, 1.0, 0.3)])
 def test_sampling_redrafter_samples_the_models_distribution(temperature, top_p, cutoff):
+    lm = make_tiny_lm(seed=3, eos_id=96)
+    engine = engine_with(lm, oracle_head(lm, PROMPTS, corrupt=0.5))
+    check_second_token_distribution(lm, engine, PROMPTS[0], temperature, top_p,
+                                    {"beam_width": 2, "beam_length": 3, "draft_cutoff": cutoff, "lookup": 0})
+
+
+def check_second_token_distribution(lm, engine, prompt, temperature, top_p, options, draws=800):
     """End to end: the second token (produced by draft-verify-accept: an accepted draft, a
     resample or a bonus token) follows the marginal of plain sampling (mlx-lm's rule: nucleus cut
     at T = 1, then softmax(logits / T) over it) P(t2) = sum_t1 p(t1) p(t2 | t1) (chi-square,
@@ -248,13 +256,10 @@ def test_sampling_redrafter_samples_the_models_distribution(temperature, top_p, 
     plain sampling never draws."""
     from test_acceptance import nucleus_reference
 
-    lm = make_tiny_lm(seed=3, eos_id=96)
-    engine = engine_with(lm, oracle_head(lm, PROMPTS, corrupt=0.5))
-    prompt = PROMPTS[0]
     seconds = []
-    for seed in range(800):
+    for seed in range(draws):
         tokens, _ = run(engine, prompt, "redrafter", max_tokens=2, temperature=temperature, top_p=top_p,
-                        seed=seed, options={"beam_width": 2, "beam_length": 3, "draft_cutoff": cutoff})
+                        seed=seed, options=options)
         if not tokens:  # the first token was EOS: no second token
             continue
         seconds.append(tokens[1] if len(tokens) > 1 else 96)  # a 1-token answer ended with EOS (96)
@@ -288,6 +293,7 @@ def test_the_cli_help_states_the_strategy_s_own_defaults():
     assert f"(default: {r.DEFAULT_BEAM_WIDTH})" in helps["beam_width"]
     assert f"(default: {r.DEFAULT_BEAM_LENGTH})" in helps["beam_length"]
     assert f"(default: {r.DEFAULT_DRAFT_CUTOFF:g})" in helps["draft_cutoff"]
+    assert f"(default: {r.DEFAULT_LOOKUP})" in helps["lookup"]
     assert f"(default: {'on' if r.DEFAULT_DRAFT_TRUST else 'off'})" in helps["draft_trust"]
 
 

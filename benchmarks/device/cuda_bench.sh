@@ -43,18 +43,15 @@ bench() {  # bench NAME SECONDS ARGS...: ar against redrafter, the report as mar
         --format md --output "$OUT/$name.md" "$@"
 }
 
-# What a T-token forward costs against one token: the number that decides whether verifying pays.
-step forward_cost 45 $PY benchmarks/forward_cost.py --model "$M" --context 150 --tokens 1,2,3,4,6,8 --repeats 20
-cp "$LOGS/forward_cost.log" "$OUT/forward_cost.md"
-# The issue's figure: the chat prompts the head never saw, the shipped defaults (W1 L3 cutoff 0.2).
-# Three repeats in one process: the first pays MLX-CUDA's kernel compiles (a cold process's first
-# repeat took ~80 s on an H200 in 2026-11); benchmarks/device/per_repeat.py shows each apart.
-bench unseen_native 200 --methods ar,redrafter --prompts benchmarks/chat_unseen.jsonl $LIMIT --repeats ${REPEATS:-3}
-# The same weights in float32 (the CPU's numerics: acceptance comparable, no cuDNN attention).
-bench unseen_float32 170 --methods ar,redrafter --prompts benchmarks/chat_unseen.jsonl $LIMIT --repeats ${REPEATS:-3} \
-    --dtype float32 --dequantize on
-# Where a verify is nearly free, wider and longer drafts may pay.
-bench unseen_sweep 170 --methods ar,redrafter --prompts benchmarks/chat_unseen.jsonl $LIMIT --repeats 2 \
-    --beam-width 1,4 --beam-length 3,5 --draft-cutoff 0
+# The issue's figure: the chat prompts the head never saw, the shipped defaults (W1 L3 cutoff 0.2,
+# prompt lookup of 4 drafts) against the head alone (--lookup 0). Three repeats in one process: the
+# first pays MLX-CUDA's kernel compiles (a cold process's first repeat took ~80 s on an H200 in
+# 2026-11); benchmarks/device/per_repeat.py shows each apart. (The forward-cost table, float32 and
+# the W/L sweep of the first H200 run are in benchmarks/results/issue18_h200_cuda/.)
+bench unseen_native 220 --methods ar,redrafter --prompts benchmarks/chat_unseen.jsonl $LIMIT --repeats ${REPEATS:-3} \
+    --lookup 0,4
+# Longer answers repeat themselves more: where prompt lookup pays most (CPU: 1.51x at 256 tokens).
+bench unseen_native_256 200 --methods ar,redrafter --prompts benchmarks/chat_unseen.jsonl $LIMIT --repeats 2 \
+    --lookup 0,4 --max-tokens $((TOKENS * 4))
 $PY benchmarks/device/per_repeat.py "$OUT"/*.md | tee "$OUT/per_repeat.txt"
 echo "== done"

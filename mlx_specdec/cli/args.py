@@ -91,6 +91,10 @@ METHOD_SETTINGS = [
      _on_off),
     ("redrafter", "beam_length", "--beam-length",
      "beam length L, the LLM's token + L-1 drafts (default: 3)", _positive_int),
+    ("redrafter", "lookup", "--lookup",
+     "prompt lookup before the head: where the text so far ends in a 2-4 token sequence seen before "
+     "(in the prompt or the answer), draft the N tokens that followed it instead of asking the head; "
+     "0 = the head only (default: 4)", _nonnegative_int),
     ("apar", "max_threads", "--max-threads", "most live threads per answer (default: 32)", _positive_int),
     ("apar", "max_depth", "--max-depth", "deepest fork, 0 = never fork (default: 2)", _nonnegative_int),
     ("apar", "fork_probe", "--fork-probe",

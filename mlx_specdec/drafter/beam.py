@@ -112,14 +112,15 @@ def sample_beams(head, embed: Embed, hidden: mx.array, first_token: mx.array, wi
     return Drafts(beams, mx.stack(probs, axis=2), mx.stack(peaks, axis=2))  # (B, W, L-1, K), (B, W, L-1)
 
 
-def dedup_prefix(beams: mx.array) -> mx.array:
+def dedup_prefix(beams, xp=mx):
     """beams (B, W, L) -> owner (B, W, L): the smallest beam index k with beams[k, :j+1] == beams[w, :j+1].
 
     Token (w, j) is verified only if owner[w, j] == w; otherwise beam `owner` carries the same prefix.
+    xp: mx for a lazy graph, np for drafts already on the host (prompt lookup's).
     """
     same = beams[:, :, None, :] == beams[:, None, :, :]  # (B, W, W, L): token j equal in beams w and k
-    same_prefix = mx.cumprod(same.astype(mx.int32), axis=-1)  # (B, W, W, L): equal through depth j
-    return mx.argmax(same_prefix, axis=2).astype(mx.int32)  # first k (argmax takes the first max)
+    same_prefix = xp.cumprod(same.astype(xp.int32), axis=-1)  # (B, W, W, L): equal through depth j
+    return xp.argmax(same_prefix, axis=2).astype(xp.int32)  # first k (argmax takes the first max)
 
 
 class PackedTree(NamedTuple):

@@ -49,14 +49,17 @@ class DraftTrust:
         self.accepted, self.expected = self.accepted[keep], self.expected[keep]
 
     def update(self, beams: np.ndarray, confidence: np.ndarray, best: np.ndarray, accepted: np.ndarray,
-               next_token: np.ndarray, verified: int) -> None:
+               next_token: np.ndarray, verified: int, rows: np.ndarray | None = None) -> None:
         """After a step. beams (B, W, L) and confidence (B, W, L-1): the step's drafts before the cut;
         best (B,) the beam accepted from, accepted (B,) how many of its drafts; next_token (B,) the
-        target's own token after them; verified: how many drafts per beam the step checked."""
+        target's own token after them; verified: how many drafts per beam the step checked;
+        rows (B,) bool: the rows whose drafts were this proposer's (None = all)."""
         self.accepted *= DECAY
         self.expected *= DECAY
         depths = confidence.shape[-1]
         for b in range(len(best)):
+            if rows is not None and not rows[b]:
+                continue
             w, n = int(best[b]), int(accepted[b])
             self.accepted[b] += n
             self.expected[b] += float(confidence[b, w, :n].sum())

@@ -40,6 +40,11 @@ class NgramProposer:
             self._index.append({})
             self._extend(len(self.texts) - 1, prompt)
 
+    def select_rows(self, keep: Sequence[int]) -> None:
+        """The rows still decoding (a batch shrinks as rows finish)."""
+        self.texts = [self.texts[b] for b in keep]
+        self._index = [self._index[b] for b in keep]
+
     def _extend(self, row: int, tokens: Sequence[int]) -> None:
         text, index = self.texts[row], self._index[row]
         for token in tokens:

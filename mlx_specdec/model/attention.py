@@ -75,21 +75,41 @@ def _grouped_for(keys: int) -> bool:
 
 
 #: On CUDA, MLX 0.32's fused attention over more than one query runs a cuDNN graph built for each
-#: (queries, keys) shape: a verify meets a new key count every step and paid a build each time
-#: (25 ms against a 4 ms forward on an H200: benchmarks/results/issue18_h200_cuda/). Up to this many
-#: queries the composed path runs there instead; a long prefill keeps cuDNN (one build per prompt).
-CUDA_COMPOSED_MAX_QUERIES = 64
+#: (queries, keys) shape (25 ms against a 4 ms forward on an H200: benchmarks/results/issue18_h200_cuda/),
+#: and a verify meets a new key count every step. The composed path instead paid per-shape costs
+#: of its own (redrafter 0.41x of `ar` in every repeat, 2026-11-26). So a verify (up to this many
+#: queries) pads its keys, masked out, to a multiple of CUDA_KEY_BUCKET: one graph per bucket.
+CUDA_VERIFY_MAX_QUERIES = 64
+CUDA_KEY_BUCKET = 256
 
 
 def _verify_on_cuda(queries: int) -> bool:
-    return 1 < queries <= CUDA_COMPOSED_MAX_QUERIES and on_cuda()
+    return 1 < queries <= CUDA_VERIFY_MAX_QUERIES and on_cuda()
 
 
 def use_grouped(queries: mx.array, keys: mx.array) -> bool:
     """The grouped path only where it was measured to pay: the CPU and a long cache (any number
-    of queries: a one-token step, a verify, a prefill chunk; benchmarks/results/attention_cost_cpu.md),
-    and on CUDA a few queries (a verify: `CUDA_COMPOSED_MAX_QUERIES`)."""
-    return _grouped_for(keys.shape[2]) or _verify_on_cuda(queries.shape[2])
+    of queries: a one-token step, a verify, a prefill chunk; benchmarks/results/attention_cost_cpu.md)."""
+    return _grouped_for(keys.shape[2])
+
+
+def bucket_keys(queries: mx.array, keys: mx.array, values: mx.array, mask: Mask):
+    """keys, values (B, Hkv, S, Dh) padded to the next multiple of CUDA_KEY_BUCKET, and the mask as a
+    full-width one over them that hides the padding: the same attention, a shape seen before."""
+    T, S = queries.shape[2], keys.shape[2]
+    extra = -(-S // CUDA_KEY_BUCKET) * CUDA_KEY_BUCKET - S
+    if extra == 0:
+        return keys, values, mask
+    if mask is None:
+        mask = mx.ones((T, S), dtype=mx.bool_)
+    elif isinstance(mask, str):  # "causal", bottom-right aligned
+        mask = masks.causal_mask(T, S - T)
+    else:
+        mask = _with_visible_prefix(mask, S)
+    hidden = mx.zeros(mask.shape[:-1] + (extra,), dtype=mx.bool_) if mask.dtype == mx.bool_ else \
+        mx.full(mask.shape[:-1] + (extra,), -math.inf, dtype=mask.dtype)
+    widths = [(0, 0), (0, 0), (0, extra), (0, 0)]
+    return mx.pad(keys, widths), mx.pad(values, widths), mx.concatenate([mask, hidden], axis=-1)
 
 
 def _with_visible_prefix(mask: mx.array, keys: int) -> mx.array:
@@ -180,4 +200,6 @@ def attention_over_cache(queries: mx.array, keys: mx.array, values: mx.array, sc
     if use_grouped(queries, keys):
         return grouped_attention(queries, keys, values, scale, mask)
     mask = full_width(mask, queries, keys)
+    if _verify_on_cuda(queries.shape[2]):
+        keys, values, mask = bucket_keys(queries, keys, values, mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)

@@ -1,0 +1,119 @@
+"""Prompt lookup in front of the draft head (`redrafter --lookup N`).
+
+The default model repeats itself and its prompt a lot: over the held-out answers to the natural
+training prompts, the text so far ended in a 2-gram seen before at a third of the steps, and the
+continuation found there was the model's own next 2.3 of 4 tokens (benchmarks/lookup_sim.py), where
+the head's chain of 2 drafts gives 0.54. So each step, per batch row:
+
+    the text + the target's own token ends in an n-gram (n >= LOOKUP_MIN_NGRAM) seen before
+        -> draft the N tokens that followed its latest occurrence (free, confidence 1: never cut)
+    otherwise
+        -> the head's drafts, as without lookup (its confidence, the cutoff, the trust)
+
+A row's drafts come from one source per step. The head's drafts are built lazily before the
+step's sync, as always; they are read (computed) only when some row needs them.
+
+Lossless either way: greedy acceptance keeps only tokens equal to the target's own, and a lookup
+draft is chosen from the committed text alone, so under sampling it is a deterministic draft
+(q one-hot: accepted with the target's probability of it, `acceptance.sampling_accept`).
+"""
+
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from ..drafter.beam import dedup_prefix
+from .base import Proposal, one_hot_probs
+from .ngram import NgramProposer
+
+# Shortest suffix that may trigger a lookup. Simulated over 1,600 held-out natural answers (W1, 4
+# lookup drafts): a 1-gram drafts at 63 % of steps but only 1.4 tokens right per lookup; 2-grams
+# at 36 % with 2.3 right, the most tokens per step (2.19 against the head's 1.54); 3-grams 2.12.
+LOOKUP_MIN_NGRAM = 2
+LOOKUP_MAX_NGRAM = 4
+# Occurrences looked at, newest first; the longest continuation wins. In a loop shorter than the
+# draft, the newest occurrence ends a period ago and only a period follows it; an older one
+# continues the loop for the whole draft (the padding of a short one is cut: confidence 0).
+CANDIDATES = 4
+
+
+class Drafted(NamedTuple):
+    proposal: Proposal  # beams, owner, confidence as MLX arrays; draft_probs when sampling
+    beams: np.ndarray  # (B, W, L) the same, on the host
+    owner: np.ndarray  # (B, W, L)
+    confidence: np.ndarray  # (B, W, L-1): the head's, or 1 for a lookup draft (0 for padding)
+    from_lookup: np.ndarray  # (B,) bool: the row's drafts are a lookup's
+
+
+def read(*arrays) -> List[np.ndarray]:
+    """Evaluate together and bring to the host (the deliberate sync): numpy arrays."""
+    mx.eval(*arrays)
+    return [np.array(a) for a in arrays]
+
+
+class LookupFirst:
+    def __init__(self, drafts: int, vocab: int):
+        """drafts: tokens a lookup proposes (its beam length is drafts + 1)."""
+        self.ngram = NgramProposer(CANDIDATES, drafts + 1, vocab, max_ngram=LOOKUP_MAX_NGRAM,
+                                   min_ngram=LOOKUP_MIN_NGRAM)
+        self.vocab = vocab
+
+    def begin(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Each row's text: its whole prompt (the target's first own token comes after it)."""
+        self.ngram.begin(prompts)
+
+    def commit(self, tokens: Sequence[Sequence[int]]) -> None:
+        """Per row: the own token the step started from and the drafts accepted after it."""
+        self.ngram.commit(tokens)
+
+    def select_rows(self, keep: Sequence[int]) -> None:
+        self.ngram.select_rows(keep)
+
+    def draft(self, head: Proposal, own: np.ndarray) -> Drafted:
+        """head: the head's lazy proposal from the own tokens (B,), which `own` holds on the host."""
+        found = [self._continuation(b, int(x)) for b, x in enumerate(own)]
+        from_lookup = np.array([f is not None for f in found])
+        W = head.beams.shape[1]
+        if from_lookup.all():
+            head_beams = head_confidence = None
+            length = 1 + max(len(f) for f in found)
+        else:
+            # Host sync, only when a row needs the head: its drafts (beams, confidence).
+            head_beams, head_confidence = read(head.beams, head.confidence)
+            length = max([head_beams.shape[-1]] + [1 + len(f) for f in found if f is not None])
+        B = len(own)
+        beams = np.empty((B, W, length), dtype=np.int32)
+        confidence = np.zeros((B, W, length - 1), dtype=np.float32)
+        for b, follow in enumerate(found):
+            if follow is None:  # the head's beams, padded by repeating their last token (confidence 0)
+                Lh = head_beams.shape[-1]
+                beams[b, :, :Lh] = head_beams[b]
+                beams[b, :, Lh:] = head_beams[b, :, -1:]
+                confidence[b, :, : Lh - 1] = head_confidence[b]
+            else:  # every beam the lookup chain: the packing keeps it once
+                chain = [int(own[b])] + follow + [follow[-1]] * (length - 1 - len(follow))
+                beams[b, :, :] = chain
+                confidence[b, :, : len(follow)] = 1.0
+        owner = dedup_prefix(beams, np)
+        probs = None if head.draft_probs is None else self._draft_probs(head, beams, from_lookup)
+        proposal = Proposal(mx.array(beams), mx.array(owner), probs, mx.array(confidence))
+        return Drafted(proposal, beams, owner, confidence, from_lookup)
+
+    def _continuation(self, row: int, token: int) -> Optional[List[int]]:
+        found = self.ngram.continuations(row, token)
+        return max(found, key=len) if found else None  # the newest of the longest
+
+    def _draft_probs(self, head: Proposal, beams: np.ndarray, from_lookup: np.ndarray) -> mx.array:
+        """(B, W, L-1, V) q of each drafted token: the head's where it sampled them, one-hot for
+        lookup drafts and for the padding past the head's length (deterministic drafts)."""
+        one_hot = one_hot_probs(mx.array(beams), self.vocab)  # (B, W, L-1, V)
+        head_probs = head.draft_probs  # (B, W, Lh-1, V)
+        depth, drafted = head_probs.shape[2], beams.shape[-1] - 1
+        if drafted > depth:
+            head_probs = mx.concatenate([head_probs, one_hot[:, :, depth:]], axis=2)
+        elif drafted < depth:  # every row a lookup, shorter than the head's beams
+            head_probs = head_probs[:, :, :drafted]
+        return mx.where(mx.array(from_lookup)[:, None, None, None], one_hot, head_probs)
