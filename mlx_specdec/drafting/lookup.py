@@ -1,9 +1,9 @@
 """Prompt lookup in front of the draft head (`redrafter --lookup N`).
 
-The default model repeats itself and its prompt a lot: over the held-out answers to the natural
+The default model repeats itself and its prompt a lot: over the 162 held-out answers to the natural
 training prompts, the text so far ended in a 2-gram seen before at a third of the steps, and the
-continuation found there was the model's own next 2.3 of 4 tokens (benchmarks/lookup_sim.py), where
-the head's chain of 2 drafts gives 0.54. So each step, per batch row:
+continuation found there was the model's own next 2.3 of 4 tokens, where the head's chain of 2
+drafts gives 0.54 (benchmarks/lookup_sim.py; results/issue18_lookup_sim.md). So each step, per row:
 
     the text + the target's own token ends in an n-gram (n >= LOOKUP_MIN_NGRAM) seen before
         -> draft the N tokens that followed its latest occurrence (free, confidence 1: never cut)
@@ -29,9 +29,9 @@ from ..drafter.beam import dedup_prefix
 from .base import Proposal, one_hot_probs
 from .ngram import NgramProposer
 
-# Shortest suffix that may trigger a lookup. Simulated over 1,600 held-out natural answers (W1, 4
-# lookup drafts): a 1-gram drafts at 63 % of steps but only 1.4 tokens right per lookup; 2-grams
-# at 36 % with 2.3 right, the most tokens per step (2.19 against the head's 1.54); 3-grams 2.12.
+# Shortest suffix that may trigger a lookup. Simulated with 4 lookup drafts (results/issue18_lookup_sim.md):
+# a 1-gram drafts at 63 % of steps but only 1.4 tokens right per lookup; 2-grams at 35 % with 2.3
+# right, the most tokens per step (2.16 against the head's 1.54); 3-grams 2.10.
 LOOKUP_MIN_NGRAM = 2
 LOOKUP_MAX_NGRAM = 4
 # Occurrences looked at, newest first; the longest continuation wins. In a loop shorter than the

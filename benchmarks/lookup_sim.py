@@ -1,0 +1,87 @@
+"""How often prompt lookup would draft well on the default model's own greedy answers (offline).
+
+    python benchmarks/lookup_sim.py [--data DIR[,DIR]] [--prompts FILE[,FILE]] [--drafts 2,4,6] [--min-ngram 1,2,3]
+
+Walks each held-out distillation answer (prompt + the model's greedy answer, as `train-drafter
+--data-only` wrote them) the way `redrafter --lookup N` decodes it: at each step, if the text so
+far + the target's own token ends in an n-gram seen before, the lookup's N drafts are checked
+against the answer's real next tokens (exactly what greedy verification accepts); otherwise the
+head drafts, modelled by its measured acceptance (first draft 0.366, second given first 0.48:
+W1 L3 cutoff 0.2, 4 unseen chats, 2026-11-26). Prints tokens per step, the share of lookup steps
+and the tokens accepted per lookup step, per setting. No model runs: the answers are the model's.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mlx_specdec.drafter.data import load_split, load_train_prompts, row_messages  # noqa: E402
+from mlx_specdec.drafting.ngram import NgramProposer  # noqa: E402
+
+HEAD_ACCEPTANCE = (0.366, 0.177 / 0.366)  # P(first draft), P(second | first)
+DATA = Path.home() / ".cache/mlx-specdec/drafter-data/issue18"
+
+
+def walk(answer, prompt, drafts, min_ngram, rng):
+    """(steps, tokens, lookup steps, tokens accepted by lookups) for one answer."""
+    lookup = NgramProposer(4, drafts + 1, vocab=1, max_ngram=4, min_ngram=min_ngram)
+    lookup.begin([prompt])
+    pos, steps, lookup_steps, lookup_accepted = 0, 0, 0, 0
+    while pos < len(answer) - 1:  # answer[pos]: the target's own token; drafts guess answer[pos + 1:]
+        found = lookup.continuations(0, answer[pos])
+        if found:
+            follow = max(found, key=len)
+            accepted = 0
+            while accepted < len(follow) and pos + 1 + accepted < len(answer) \
+                    and follow[accepted] == answer[pos + 1 + accepted]:
+                accepted += 1
+            lookup_steps, lookup_accepted = lookup_steps + 1, lookup_accepted + accepted
+        else:
+            accepted = 0
+            for p in HEAD_ACCEPTANCE:
+                if rng.random() >= p:
+                    break
+                accepted += 1
+            accepted = min(accepted, len(answer) - 1 - pos)
+        lookup.commit([answer[pos:pos + accepted + 1]])
+        pos, steps = pos + accepted + 1, steps + 1
+    return steps, pos, lookup_steps, lookup_accepted
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default=f"{DATA}/train_prompts_natural,{DATA}/train_prompts_natural2")
+    parser.add_argument("--prompts", default="data/train_prompts_natural.jsonl,data/train_prompts_natural2.jsonl")
+    parser.add_argument("--drafts", default="2,4,6")
+    parser.add_argument("--min-ngram", default="1,2,3")
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(Path.home() / ".cache/mlx-specdec/models/SmolLM2-135M-Instruct-f16"))
+    answers = []
+    for directory, prompt_file in zip(args.data.split(","), args.prompts.split(",")):
+        rows = {str(r["id"]): r for r in load_train_prompts(ROOT / prompt_file)}
+        seqs = load_split(Path(directory), "valid")
+        for i, pid in enumerate(seqs.prompt_ids):
+            prompt = tokenizer.apply_chat_template(row_messages(rows[str(pid)]), add_generation_prompt=True,
+                                                   tokenize=True, return_dict=False)
+            answers.append((seqs.tokens[seqs.offsets[i]:seqs.offsets[i + 1]].tolist(), list(prompt)))
+    print(f"{len(answers)} held-out answers, {sum(len(a) for a, _ in answers)} tokens; head alone: "
+          f"{1 + HEAD_ACCEPTANCE[0] + HEAD_ACCEPTANCE[0] * HEAD_ACCEPTANCE[1]:.3f} tokens a step")
+    print("| min n-gram | lookup drafts | tokens/step | lookup steps | accepted per lookup step |")
+    print("|---:|---:|---:|---:|---:|")
+    for min_ngram in [int(x) for x in args.min_ngram.split(",")]:
+        for drafts in [int(x) for x in args.drafts.split(",")]:
+            rng = np.random.default_rng(0)
+            totals = np.sum([walk(a, p, drafts, min_ngram, rng) for a, p in answers], axis=0)
+            steps, tokens, lookups, accepted = (int(t) for t in totals)
+            print(f"| {min_ngram} | {drafts} | {tokens / steps:.3f} | {lookups / steps:.2f} | {accepted / max(1, lookups):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
