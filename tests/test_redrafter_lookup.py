@@ -60,14 +60,14 @@ def test_batched_rows_with_lookup_each_equal_their_own_plain_decoding(width):
     assert 0 < stats.extra["lookup_steps"] < 1  # rows drafted from both sources
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (2.0, 0.3)])
-def test_sampling_with_lookup_samples_the_models_distribution(temperature, top_p):
+@pytest.mark.parametrize("temperature,top_p,cutoff", [(1.0, 1.0, 0.3), (2.0, 0.3, 0.0)])
+def test_sampling_with_lookup_samples_the_models_distribution(temperature, top_p, cutoff):
     """REPEATING makes the first step a lookup step for most first tokens: the second token then
     comes from a deterministic draft (accepted with the target's probability of it) or the residual."""
     lm = make_tiny_lm(seed=3, eos_id=96)
     engine = engine_with(lm, oracle_head(lm, PROMPTS, corrupt=0.5))
     check_second_token_distribution(lm, engine, REPEATING, temperature, top_p,
-                                    {"beam_width": 2, "beam_length": 3, "draft_cutoff": 0.0, "lookup": 3})
+                                    {"beam_width": 2, "beam_length": 3, "draft_cutoff": cutoff, "lookup": 3})
 
 
 def _head_proposal(beams, confidence, probs=None):
