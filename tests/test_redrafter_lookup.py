@@ -116,3 +116,15 @@ def test_lookup_rows_leave_the_head_s_trust_alone():
     trust.update(beams, confidence, best=np.zeros(2, int), accepted=np.zeros(2, int), next_token=np.array([7, 7]),
                  verified=2, rows=np.array([True, False]))
     assert trust.trust[0] < 1.0 and trust.trust[1] == 1.0  # row 1 drafted from the lookup
+
+
+@pytest.mark.parametrize("lookup", [0, 3])
+def test_a_row_that_ends_on_its_first_token_leaves_the_batch(lookup):
+    lm = make_tiny_lm(seed=4, eos_id=96)
+    first = run(engine_with(lm, random_head(lm)), PROMPTS[0], "ar", max_tokens=1)[0][0]
+    stopping = make_tiny_lm(seed=4, eos_id=first)  # row 0's first token is its EOS
+    engine = engine_with(stopping, random_head(stopping))
+    prompts = PROMPTS + [REPEATING]
+    want = [run(engine, p, "ar", max_tokens=12)[0] for p in prompts]
+    got, _ = run_batch(engine, prompts, max_tokens=12, options={"beam_length": 3, "lookup": lookup})
+    assert got == want and want[0] == []  # EOS is not shown

@@ -136,7 +136,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     emitted += 1
     rows, keep = _drop_finished(rows, [[int(t)] for t in first], emitted, eos, params.max_tokens, ctx.stopped_rows)
     trust = DraftTrust(len(prompts))
-    from_lookup = np.zeros(len(rows), dtype=bool)
+    from_lookup = np.zeros(len(prompts), dtype=bool)  # per prompt, as `keep` indexes them
     if lookup is not None:
         lookup.begin(prompts)
     if rows:  # the first draft, from the prompt's last hidden state and the first tokens
@@ -213,7 +213,9 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
                 drafts, next_beams, next_owner, next_confidence, next_from_lookup = lookup.draft(drafts, token)
             mark("sync_s", t0)
 
-            trust.update(drafted_beams, drafted_confidence, best, accepted, token, verified=step_length - 1,
+            # The head's own depths only: a head row padded to a lookup row's length may accept padding.
+            trust.update(drafted_beams[..., :length], drafted_confidence[..., : length - 1], best,
+                         np.minimum(accepted, length - 1), token, verified=min(step_length, length) - 1,
                          rows=~from_lookup)
             kept = [trees[b].index[best[b], : accepted[b] + 1] for b in range(len(rows))]
             physical = committed

@@ -110,6 +110,8 @@ class LookupFirst:
         """(B, W, L-1, V) q of each drafted token: the head's where it sampled them, one-hot for
         lookup drafts and for the padding past the head's length (deterministic drafts)."""
         one_hot = one_hot_probs(mx.array(beams), self.vocab)  # (B, W, L-1, V)
+        if from_lookup.all():  # the head's distributions are not needed (nor computed)
+            return one_hot
         head_probs = head.draft_probs  # (B, W, Lh-1, V)
         depth, drafted = head_probs.shape[2], beams.shape[-1] - 1
         if drafted > depth:
