@@ -41,7 +41,8 @@ from ..acceptance import Accepted, greedy_accept, sampling_accept, target_probs
 from ..drafter.beam import pack_beams
 from ..drafting import HeadProposer, Proposal, select_rows
 from ..drafting.calibration import DraftTrust
-from ..drafting.lookup import LookupFirst, read as _read
+from ..drafting.base import read_host as _read
+from ..drafting.lookup import LookupFirst
 from ..errors import UserError
 from ..model.forward import forward
 from .base import DecodeContext, Step, new_contiguous_cache, prefill_rows

@@ -58,3 +58,9 @@ def one_hot_probs(beams: mx.array, vocab: int) -> mx.array:
     (q = 1: accepted with probability p(token), the residual is p without it)."""
     drafted = beams[..., 1:]
     return (mx.arange(vocab)[None, None, None, :] == drafted[..., None]).astype(mx.float32)
+
+
+def read_host(*arrays) -> list:
+    """Evaluate together and bring to the host (a decoding loop's deliberate sync): numpy arrays."""
+    mx.eval(*arrays)
+    return [np.array(a) for a in arrays]

@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..drafter.beam import dedup_prefix
-from .base import Proposal, one_hot_probs
+from .base import Proposal, one_hot_probs, read_host
 from .ngram import NgramProposer
 
 # Shortest suffix that may trigger a lookup. Simulated with 4 lookup drafts (results/issue18_lookup_sim.md):
@@ -46,12 +46,6 @@ class Drafted(NamedTuple):
     owner: np.ndarray  # (B, W, L)
     confidence: np.ndarray  # (B, W, L-1): the head's, or 1 for a lookup draft (0 for padding)
     from_lookup: np.ndarray  # (B,) bool: the row's drafts are a lookup's
-
-
-def read(*arrays) -> List[np.ndarray]:
-    """Evaluate together and bring to the host (the deliberate sync): numpy arrays."""
-    mx.eval(*arrays)
-    return [np.array(a) for a in arrays]
 
 
 class LookupFirst:
@@ -82,7 +76,7 @@ class LookupFirst:
             length = 1 + max(len(f) for f in found)
         else:
             # Host sync, only when a row needs the head: its drafts (beams, confidence).
-            head_beams, head_confidence = read(head.beams, head.confidence)
+            head_beams, head_confidence = read_host(head.beams, head.confidence)
             length = max([head_beams.shape[-1]] + [1 + len(f) for f in found if f is not None])
         B = len(own)
         beams = np.empty((B, W, length), dtype=np.int32)
