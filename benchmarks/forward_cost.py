@@ -1,6 +1,10 @@
 """What a forward with more than one query token costs on this machine, against one token.
 
     python benchmarks/forward_cost.py [--context 300] [--tokens 1,2,3,4,6,8,12,16]
+    python benchmarks/forward_cost.py --one-row --context 150,2000,6000 --tokens 1,2,3,4,5 --repeats 7
+
+The second form prints ReDrafter's verify-cost table (drafting/verify_cost.py's CPU_COST): one row
+of T tokens, as a multiple of one token, per context length.
 
 Speculative methods buy fewer forwards with wider ones: ReDrafter verifies a packed tree of T
 tokens in one row, APAR decodes T live threads as T rows of one token. Either only pays off if
@@ -24,13 +28,24 @@ from mlx_specdec.engine import Engine
 from mlx_specdec.model.forward import forward
 
 
-def forward_ms(model, rows: int, tokens: int, context: int, repeats: int, tree_mask: bool = False) -> float:
-    """tree_mask: the chain as ReDrafter verified it before it took the causal path (explicit
-    positions and a tail-mask array) instead of contiguous positions and SDPA's causal mask."""
+PREFILL_CHUNK = 1024  # as the engine prefills: one 6K-token forward would hold 9 x 6K x 6K scores per layer
+
+
+def prefilled(model, rows: int, context: int) -> ContiguousKVCache:
     cache = ContiguousKVCache.for_model(model)
     prompt = mx.array([[1000 + (i * 7 + r) % 5000 for i in range(context)] for r in range(rows)])
-    forward(model, prompt, cache, logits_for="none")
-    mx.eval(cache.state)
+    for start in range(0, context, PREFILL_CHUNK):
+        forward(model, prompt[:, start:start + PREFILL_CHUNK], cache, logits_for="none")
+        mx.eval(cache.state)
+    return cache
+
+
+def forward_ms(model, rows: int, tokens: int, context: int, repeats: int, tree_mask: bool = False,
+               cache: ContiguousKVCache = None) -> float:
+    """tree_mask: the chain as ReDrafter verified it before it took the causal path (explicit
+    positions and a tail-mask array) instead of contiguous positions and SDPA's causal mask.
+    cache: one already holding `context` tokens for `rows` rows (left as it was)."""
+    cache = cache or prefilled(model, rows, context)
     query = mx.array([[5 + i for i in range(tokens)] for _ in range(rows)])
 
     chain = [list(range(-1, tokens - 1))] * rows
@@ -47,15 +62,20 @@ def forward_ms(model, rows: int, tokens: int, context: int, repeats: int, tree_m
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--context", type=int, default=300)
+    parser.add_argument("--context", default="300")
     parser.add_argument("--tokens", default="1,2,3,4,6,8,12,16")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--model", default="default", help="as `mlx-specdec bench --model` (default: default)")
     parser.add_argument("--tree-mask", action="store_true",
                         help="add a column: T tokens in one row with explicit positions and a tree (tail) mask")
+    parser.add_argument("--one-row", action="store_true",
+                        help="only T tokens in one row, for each of a comma list of --context lengths")
     args = parser.parse_args()
     model = Engine.load(args.model).lm.model
     counts = [int(t) for t in args.tokens.split(",")]
+    if args.one_row:
+        return one_row_table(model, [int(c) for c in args.context.split(",")], counts, args.repeats)
+    args.context = int(args.context)
     print(f"context {args.context} tokens; median of {args.repeats} forwards; mlx {mx.__version__}, "
           f"{mx.default_device()} ({mx.device_info().get('device_name', '?')}), model {args.model}")
     extra = " with a tree mask (ms) | x one token |" if args.tree_mask else ""
@@ -71,6 +91,17 @@ def main():
             tree_ms = forward_ms(model, 1, t, args.context, args.repeats, tree_mask=True)
             tree = f" {tree_ms:.1f} | {tree_ms / one:.2f} |"
         print(f"| {t} | {row:.1f} | {row / one:.2f} | {rows:.1f} | {rows / one:.2f} |" + tree, flush=True)
+
+
+def one_row_table(model, contexts, counts, repeats) -> None:
+    print(f"one row of T query tokens after each context, as a multiple of one token; median of {repeats}; "
+          f"mlx {mx.__version__}, {mx.default_device()}")
+    print("| context | " + " | ".join(f"T={t}" for t in counts) + " |")
+    print("|---:|" + "---:|" * len(counts))
+    for context in contexts:
+        cache = prefilled(model, 1, context)
+        ms = [forward_ms(model, 1, t, context, repeats, cache=cache) for t in counts]
+        print(f"| {context} | " + " | ".join(f"{m / ms[0]:.2f}" for m in ms) + f" |  (T=1: {ms[0]:.1f} ms)", flush=True)
 
 
 if __name__ == "__main__":

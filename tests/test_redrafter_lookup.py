@@ -7,7 +7,7 @@ import pytest
 
 from mlx_specdec.drafting.base import Proposal
 from mlx_specdec.drafting.calibration import DraftTrust
-from mlx_specdec.drafting.lookup import LookupFirst
+from mlx_specdec.drafting.lookup import LOOKUP_CONFIDENCE, LookupFirst, lookup_confidence
 
 from conftest import make_tiny_lm
 from test_redrafter import (PROMPTS, check_second_token_distribution, engine_with, oracle_head, random_head, run,
@@ -82,7 +82,7 @@ def test_a_row_drafts_from_the_lookup_or_the_head_padded_to_one_length():
     drafted = lookup.draft(head, np.array([3, 13]))  # row 0's suffix "2 3" was seen: a lookup
     assert drafted.from_lookup.tolist() == [True, False]
     assert drafted.beams[0, 0].tolist() == [3, 4, 5, 1, 2]  # what followed "2 3": 4 5 1 2
-    assert drafted.confidence[0, 0].tolist() == [1, 1, 1, 1]
+    assert drafted.confidence[0, 0].tolist() == pytest.approx(LOOKUP_CONFIDENCE[:4])  # measured, per depth
     assert drafted.beams[1, 0].tolist() == [13, 30, 31, 31, 31]  # the head's, its last token repeated
     assert drafted.confidence[1, 0].tolist() == pytest.approx([0.6, 0.1, 0, 0])
     assert np.array_equal(np.array(drafted.proposal.beams), drafted.beams)
@@ -94,7 +94,7 @@ def test_a_short_lookup_is_padded_and_padding_is_never_trusted():
     head = _head_proposal([[[8, 1, 2]]], [[[0.5, 0.5]]])
     drafted = lookup.draft(head, np.array([8]))
     assert drafted.beams[0, 0].tolist() == [8, 9, 7, 8]  # 9 7 8: the text after the match, + own token
-    assert drafted.confidence[0, 0].tolist() == [1, 1, 1]
+    assert drafted.confidence[0, 0].tolist() == pytest.approx(LOOKUP_CONFIDENCE[:3])
 
 
 def test_lookup_rows_carry_one_hot_draft_probabilities_and_head_rows_the_head_s():
@@ -128,3 +128,9 @@ def test_a_row_that_ends_on_its_first_token_leaves_the_batch(lookup):
     want = [run(engine, p, "ar", max_tokens=12)[0] for p in prompts]
     got, _ = run_batch(engine, prompts, max_tokens=12, options={"beam_length": 3, "lookup": lookup})
     assert got == want and want[0] == []  # EOS is not shown
+
+
+def test_lookup_confidence_is_the_measured_acceptance_per_depth_and_the_last_beyond():
+    assert lookup_confidence(2).tolist() == pytest.approx(LOOKUP_CONFIDENCE[:2])
+    deep = lookup_confidence(len(LOOKUP_CONFIDENCE) + 2)
+    assert deep[-3:].tolist() == pytest.approx([LOOKUP_CONFIDENCE[-1]] * 3)

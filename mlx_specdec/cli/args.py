@@ -95,6 +95,10 @@ METHOD_SETTINGS = [
      "prompt lookup before the head: where the text so far ends in a 2-4 token sequence seen before "
      "(in the prompt or the answer), draft the N tokens that followed it instead of asking the head; "
      "0 = the head only (default: 4)", _nonnegative_int),
+    ("redrafter", "verify_cost", "--verify-cost",
+     "on = of the drafts the cutoff keeps, verify only as deep as they are worth at this context "
+     "length's measured verify cost (the CPU's table; a long document makes each verified token dearer); "
+     "off = every draft the cutoff keeps (default: on; off on a GPU and with --draft-cutoff 0)", _on_off),
     ("apar", "max_threads", "--max-threads", "most live threads per answer (default: 32)", _positive_int),
     ("apar", "max_depth", "--max-depth", "deepest fork, 0 = never fork (default: 2)", _nonnegative_int),
     ("apar", "fork_probe", "--fork-probe",

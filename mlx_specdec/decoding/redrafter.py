@@ -7,8 +7,10 @@ latest token `x`, and with the hidden state `h` that produced `x` (per batch row
     draft   W beams of length L from (h, x): beam search (greedy) or W sampled chains (sampling);
             with --lookup N (default), a row whose text + x ends in an n-gram seen before drafts
             the N tokens that followed it instead (drafting/lookup.py)
-    cut     keep each beam's leading drafts whose confidence, times the row's running trust in the
-            head (drafting/calibration.py), clears the cutoff; none kept = a plain step   [host]
+    cut     keep each beam's leading drafts whose confidence, times the row's running trust in its
+            source (drafting/calibration.py), clears the cutoff; of those, the depth with the most
+            expected tokens per unit of verify cost at this context (drafting/verify_cost.py);
+            none kept = a plain step   [host]
     pack    dedup shared prefixes -> N <= W*L distinct tokens, depths, tree mask      [host, tiny]
     verify  one forward of the N tokens at positions length + depth under the tree mask
     accept  longest run the target agrees with (greedy) or rejection sampling -> n, next token
@@ -43,6 +45,7 @@ from ..drafting import HeadProposer, Proposal, select_rows
 from ..drafting.calibration import DraftTrust
 from ..drafting.base import read_host as _read
 from ..drafting.lookup import LookupFirst
+from ..drafting.verify_cost import costs_measured, worth_verifying
 from ..errors import UserError
 from ..model.forward import forward
 from .base import DecodeContext, Step, new_contiguous_cache, prefill_rows
@@ -58,6 +61,7 @@ DEFAULT_DRAFT_TRUST = True  # ... times what it has earned in this answer (draft
 # before, draft the 4 tokens that followed it instead of the head's (benchmarks/results/
 # issue18_lookup_unseen.md: 8 unseen chats, 64 tokens, 1.27x -> 1.33x; 256 tokens 1.24x -> 1.51x).
 DEFAULT_LOOKUP = 4
+DEFAULT_VERIFY_COST = True  # verify the depth worth its cost at this context (drafting/verify_cost.py)
 PHASES = ("draft_s", "pack_s", "verify_s", "accept_s", "sync_s")
 
 
@@ -76,6 +80,8 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     cutoff = float(ctx.params.options.get("draft_cutoff", DEFAULT_DRAFT_CUTOFF))
     use_trust = bool(ctx.params.options.get("draft_trust", DEFAULT_DRAFT_TRUST))
     lookup_drafts = int(ctx.params.options.get("lookup", DEFAULT_LOOKUP))
+    # A cutoff of 0 asks for every draft: no cost judges them either.
+    cost_aware = bool(ctx.params.options.get("verify_cost", DEFAULT_VERIFY_COST)) and costs_measured() and cutoff > 0
     if width < 1 or length < 2:
         raise UserError("redrafter needs --beam-width >= 1 and --beam-length >= 2")
     if not 0.0 <= cutoff <= 1.0:
@@ -136,7 +142,8 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
         yield Step([int(first[b])], thread_id=b)
     emitted += 1
     rows, keep = _drop_finished(rows, [[int(t)] for t in first], emitted, eos, params.max_tokens, ctx.stopped_rows)
-    trust = DraftTrust(len(prompts))
+    trust = DraftTrust(len(prompts))  # in the head's confidence
+    lookup_trust = DraftTrust(len(prompts))  # in the lookup's measured acceptance
     from_lookup = np.zeros(len(prompts), dtype=bool)  # per prompt, as `keep` indexes them
     if lookup is not None:
         lookup.begin(prompts)
@@ -154,16 +161,19 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
                     a[keep] for a in (valid, lengths, beams, owner, confidence, emitted, from_lookup))
                 drafts = select_rows(drafts, keep)
                 trust.select_rows(keep)
+                lookup_trust.select_rows(keep)
                 if lookup is not None:
                     lookup.select_rows(keep)
             t0 = time.perf_counter()
             # Draft only where it is likely: this step verifies the drafts up to the deepest one
             # (over beams and rows) that every draft before it in its beam clears the cutoff; the
             # rest are cut from the tree. A step with none is a plain step (cost 1, not ~1.5).
-            # A lookup's drafts (confidence 1) are never cut and never calibrated: trust is the head's.
-            judged = np.where(from_lookup[:, None, None], confidence, trust.calibrated(confidence)) \
-                if use_trust else confidence
+            # Each source's confidence is calibrated by the row's trust in that source.
+            judged = np.where(from_lookup[:, None, None], lookup_trust.calibrated(confidence),
+                              trust.calibrated(confidence)) if use_trust else confidence
             step_length = kept_length(judged, cutoff)
+            if cost_aware:  # ... and no deeper than the drafts are worth at this context's verify cost
+                step_length = worth_verifying(judged, owner, step_length, int(lengths.max()))
             drafted_beams, drafted_confidence = beams, confidence  # before the cut: judged after the step
             beams, owner = beams[:, :, :step_length], owner[:, :, :step_length]
             step_drafts = drafts if drafts.draft_probs is None else \
@@ -218,6 +228,8 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
             trust.update(drafted_beams[..., :length], drafted_confidence[..., : length - 1], best,
                          np.minimum(accepted, length - 1), token, verified=min(step_length, length) - 1,
                          rows=~from_lookup)
+            lookup_trust.update(drafted_beams, drafted_confidence, best, accepted, token,
+                                verified=step_length - 1, rows=from_lookup)
             kept = [trees[b].index[best[b], : accepted[b] + 1] for b in range(len(rows))]
             physical = committed
             committed = cache.keep_appended_rows(physical, kept)

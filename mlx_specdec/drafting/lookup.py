@@ -6,7 +6,9 @@ continuation found there was the model's own next 2.3 of 4 tokens, where the hea
 drafts gives 0.54 (benchmarks/lookup_sim.py; results/issue18_lookup_sim.md). So each step, per row:
 
     the text + the target's own token ends in an n-gram (n >= LOOKUP_MIN_NGRAM) seen before
-        -> draft the N tokens that followed its latest occurrence (free, confidence 1: never cut)
+        -> draft the N tokens that followed its latest occurrence (free; the confidence of draft k
+           is the lookup's measured acceptance at depth k, LOOKUP_CONFIDENCE, which the lookup's
+           own running trust calibrates as the head's trust does the head's)
     otherwise
         -> the head's drafts, as without lookup (its confidence, the cutoff, the trust)
 
@@ -38,13 +40,16 @@ LOOKUP_MAX_NGRAM = 4
 # draft, the newest occurrence ends a period ago and only a period follows it; an older one
 # continues the loop for the whole draft (the padding of a short one is cut: confidence 0).
 CANDIDATES = 4
+# P(lookup draft k is the model's token | drafts 1..k-1 were): the same held-out walk, 2-gram
+# triggers, 5,059 lookups (`python benchmarks/lookup_sim.py --depths`). Deeper drafts take the last.
+LOOKUP_CONFIDENCE = (0.68, 0.80, 0.85, 0.88, 0.91)
 
 
 class Drafted(NamedTuple):
     proposal: Proposal  # beams, owner, confidence as MLX arrays; draft_probs when sampling
     beams: np.ndarray  # (B, W, L) the same, on the host
     owner: np.ndarray  # (B, W, L)
-    confidence: np.ndarray  # (B, W, L-1): the head's, or 1 for a lookup draft (0 for padding)
+    confidence: np.ndarray  # (B, W, L-1): the head's, or LOOKUP_CONFIDENCE for a lookup's (0 for padding)
     from_lookup: np.ndarray  # (B,) bool: the row's drafts are a lookup's
 
 
@@ -90,7 +95,7 @@ class LookupFirst:
             else:  # every beam the lookup chain: the packing keeps it once
                 chain = [int(own[b])] + follow + [follow[-1]] * (length - 1 - len(follow))
                 beams[b, :, :] = chain
-                confidence[b, :, : len(follow)] = 1.0
+                confidence[b, :, : len(follow)] = lookup_confidence(len(follow))
         owner = dedup_prefix(beams, np)
         probs = None if head.draft_probs is None else self._draft_probs(head, beams, from_lookup)
         proposal = Proposal(mx.array(beams), mx.array(owner), probs, mx.array(confidence))
@@ -113,3 +118,9 @@ class LookupFirst:
         elif drafted < depth:  # every row a lookup, shorter than the head's beams
             head_probs = head_probs[:, :, :drafted]
         return mx.where(mx.array(from_lookup)[:, None, None, None], one_hot, head_probs)
+
+
+def lookup_confidence(drafts: int) -> np.ndarray:
+    """(drafts,) the measured acceptance of lookup drafts 1..drafts, each given the ones before."""
+    depth = np.minimum(np.arange(drafts), len(LOOKUP_CONFIDENCE) - 1)
+    return np.asarray(LOOKUP_CONFIDENCE, dtype=np.float32)[depth]

@@ -19,7 +19,7 @@ from ..decoding import GenerationParams
 DEFAULT_MAX_TOKENS = 256
 METHOD_OPTIONS = {"beam_width", "beam_length", "draft_cutoff", "max_threads", "max_depth", "fork_probe", "budget",
                   "gamma", "bottom", "draft_length", "middle_cache", "score_window", "score_reduce",
-                  "rebuild_stride", "rebuild_below", "lookup"}
+                  "rebuild_stride", "rebuild_below", "lookup", "verify_cost"}
 
 
 class ApiError(Exception):

@@ -1,0 +1,71 @@
+"""How many drafts a step should verify: the drafts' odds against what verifying them costs here.
+
+The draft cutoff ("verify a draft only where it is at least c likely") was chosen by a sweep at
+chat length, where one more verified token costs ~0.13 of a plain step on the 2-core CPU. Over a
+long document it costs about twice that (benchmarks/results/issue18_verify_cost.md: after 6,000
+tokens a 2-token verify costs 1.28 plain steps and a 5-token one 1.94, against 1.14 and 1.66 after
+150; attention's exps over the KV grow with the query rows on 2 cores), so drafts the cutoff keeps
+can cost more than they bring.
+
+So after the cutoff, each step verifies the depth k (0 = a plain step) that maximises
+
+    expected tokens / cost = sum_b (1 + sum_{j<=k} max_w prod_{i<=j} p[b,w,i]) / cost(T(k), context)
+
+    p[b,w,i]  the calibrated probability of draft i of beam w (the head's probability times its
+              trust, or a lookup's measured per-depth acceptance times the lookup's trust)
+    T(k)      query tokens the packed tree holds up to depth k (the widest row's)
+    cost      a T-token forward after `context` tokens as a multiple of a one-token one
+
+Speed only: the depth is chosen from confidences that do not depend on the drawn tokens (as the
+cutoff is), so greedy output stays the target's and sampling stays exact.
+
+The table is this CPU's. On a GPU (Metal or CUDA) a few more query tokens cost little and the
+costs have not been measured at length here, so there every draft the cutoff keeps is verified.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+# `python benchmarks/forward_cost.py --one-row --context 150,2000,6000 --tokens 1,2,3,4,5 --repeats 15`
+# (benchmarks/results/issue18_verify_cost.md): the default model in float32 on the 2-core CPU, one row
+# of T query tokens after `context` tokens, as a multiple of one token, medians of 15.
+CPU_CONTEXTS = np.array([150.0, 2000.0, 6000.0])
+CPU_COST = np.array([  # T = 1 .. 5
+    [1.0, 1.14, 1.26, 1.38, 1.66],  # 150 tokens (T=1: 67.6 ms; 5 rows are a slow OpenBLAS shape)
+    [1.0, 1.21, 1.36, 1.55, 1.63],  # 2,000 (81.4 ms)
+    [1.0, 1.28, 1.52, 1.76, 1.94],  # 6,000 (108.9 ms)
+])
+
+
+def verify_cost(tokens: int, context: int) -> float:
+    """A `tokens`-token forward after `context` tokens, as a multiple of a one-token forward
+    (interpolated in the context; past 5 tokens, extended by the last measured step)."""
+    per_t = np.array([np.interp(context, CPU_CONTEXTS, CPU_COST[:, t]) for t in range(CPU_COST.shape[1])])
+    if tokens <= len(per_t):
+        return float(per_t[tokens - 1])
+    return float(per_t[-1] + (tokens - len(per_t)) * (per_t[-1] - per_t[-2]))
+
+
+def costs_measured() -> bool:
+    """The table holds for the CPU it was measured on; elsewhere verify what the cutoff keeps."""
+    return mx.default_device() == mx.cpu
+
+
+def worth_verifying(probs: np.ndarray, owner: np.ndarray, kept: int, context: int) -> int:
+    """probs (B, W, L-1): calibrated draft probabilities; owner (B, W, L): `dedup_prefix`'s first
+    beam with each prefix; kept: the step length the cutoff allows. -> the step length (1 + drafts)
+    in 1..kept with the most expected tokens per unit of verify cost."""
+    if kept <= 1:
+        return kept
+    B, W = probs.shape[:2]
+    reach = np.cumprod(probs[:, :, : kept - 1], axis=-1).max(axis=1)  # (B, kept-1): the likeliest beam to depth j
+    new_prefix = owner[:, :, :kept] == np.arange(W)[None, :, None]  # (B, W, kept): a packed token each
+    tree_tokens = np.cumsum(new_prefix.sum(axis=1), axis=-1).max(axis=0)  # (kept,) T(k), widest row
+    best, best_rate = 1, B / verify_cost(int(tree_tokens[0]), context)
+    for k in range(1, kept):
+        rate = (B + reach[:, :k].sum()) / verify_cost(int(tree_tokens[k]), context)
+        if rate > best_rate:
+            best, best_rate = k + 1, rate
+    return best

@@ -1,0 +1,59 @@
+"""The cost-aware step length (drafting/verify_cost.py): a step verifies the depth with the most
+expected tokens per unit of the measured verify cost at its context, within what the cutoff keeps."""
+
+import numpy as np
+import pytest
+
+from mlx_specdec.drafter.beam import dedup_prefix
+from mlx_specdec.drafting.verify_cost import CPU_CONTEXTS, CPU_COST, verify_cost, worth_verifying
+
+
+def test_verify_cost_is_the_table_at_measured_contexts_interpolated_between_and_extended_past_it():
+    assert verify_cost(1, 150) == 1.0
+    assert verify_cost(3, int(CPU_CONTEXTS[-1])) == pytest.approx(CPU_COST[-1, 2])
+    middle = int((CPU_CONTEXTS[0] + CPU_CONTEXTS[1]) / 2)
+    assert verify_cost(2, middle) == pytest.approx((CPU_COST[0, 1] + CPU_COST[1, 1]) / 2)
+    assert verify_cost(2, 100_000) == pytest.approx(CPU_COST[-1, 1])  # held flat past the last context
+    step = CPU_COST[0, -1] - CPU_COST[0, -2]
+    assert verify_cost(7, 150) == pytest.approx(CPU_COST[0, -1] + 2 * step)
+    for context in (150, 1000, 4000, 6000):  # more tokens never cost less
+        costs = [verify_cost(t, context) for t in range(1, 9)]
+        assert costs == sorted(costs)
+
+
+def _chain(probs):
+    """One row, one beam of len(probs) drafts: (probs (1, 1, L-1), owner (1, 1, L))."""
+    beams = np.arange(len(probs) + 1, dtype=np.int32)[None, None]
+    return np.array([[probs]], dtype=np.float32), dedup_prefix(beams, np)
+
+
+def test_sure_drafts_are_all_verified_and_a_plain_step_is_kept_when_the_cutoff_leaves_none():
+    probs, owner = _chain([0.95, 0.95, 0.95, 0.95])
+    assert worth_verifying(probs, owner, kept=5, context=150) == 5
+    assert worth_verifying(probs, owner, kept=5, context=6000) == 5
+    assert worth_verifying(probs, owner, kept=1, context=150) == 1
+    assert worth_verifying(probs, owner, kept=3, context=150) == 3  # never deeper than the cutoff allows
+
+
+def test_a_doubtful_draft_worth_verifying_at_chat_length_is_not_worth_it_over_a_long_document():
+    # One draft at 0.25: 1.25 expected tokens for 1.14 plain steps at 150 tokens of context (worth
+    # it), for 1.28 at 6,000 (not: a plain step's 1 token per step is the better rate).
+    probs, owner = _chain([0.25])
+    assert worth_verifying(probs, owner, kept=2, context=150) == 2
+    assert worth_verifying(probs, owner, kept=2, context=6000) == 1
+
+
+def test_a_deep_draft_that_is_rarely_reached_is_cut_while_the_likely_first_is_kept():
+    probs, owner = _chain([0.6, 0.1, 0.9])  # reach: 0.6, 0.06, 0.054
+    assert worth_verifying(probs, owner, kept=4, context=150) == 2
+
+
+def test_the_cost_counts_the_packed_tree_tokens_of_the_widest_row():
+    # Two beams that differ from the first draft on: depth 1 packs 1 + 2 tokens, not 2.
+    beams = np.array([[[5, 1, 2], [5, 3, 4]]], dtype=np.int32)
+    owner = dedup_prefix(beams, np)
+    probs = np.array([[[0.3, 0.9], [0.3, 0.9]]], dtype=np.float32)
+    # 1.3 expected tokens for verify_cost(3) = 1.26 at chat length beats 1 token for 1; two drafts
+    # deep, 1.57 for 5 tokens (1.66), does not.
+    assert worth_verifying(probs, owner, kept=3, context=150) == 2
+    assert worth_verifying(probs, owner, kept=2, context=6000) == 1  # 1.3 for 1.45: a plain step
