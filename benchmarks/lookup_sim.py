@@ -1,6 +1,7 @@
 """How often prompt lookup would draft well on the default model's own greedy answers (offline).
 
     python benchmarks/lookup_sim.py [--data DIR[,DIR]] [--prompts FILE[,FILE]] [--drafts 2,4,6] [--min-ngram 1,2,3]
+    python benchmarks/lookup_sim.py --depths     # lookup.LOOKUP_CONFIDENCE: acceptance per draft depth
 
 Walks each held-out distillation answer (prompt + the model's greedy answer, as `train-drafter
 --data-only` wrote them) the way `redrafter --lookup N` decodes it: at each step, if the text so
@@ -53,12 +54,35 @@ def walk(answer, prompt, drafts, min_ngram, rng):
     return steps, pos, lookup_steps, lookup_accepted
 
 
+def depth_acceptance(answers, drafts: int = 6):
+    """P(lookup draft k is the answer's token | drafts 1..k-1 were), 2-gram triggers, lookups only
+    (a step without one advances one token): (reached per depth, accepted per depth)."""
+    reached, accepted = np.zeros(drafts), np.zeros(drafts)
+    for answer, prompt in answers:
+        lookup = NgramProposer(4, drafts + 1, vocab=1, max_ngram=4, min_ngram=2)
+        lookup.begin([prompt])
+        pos = 0
+        while pos < len(answer) - 1:
+            found, n = lookup.continuations(0, answer[pos]), 0
+            if found:
+                follow = max(found, key=len)
+                for k in range(min(len(follow), len(answer) - 1 - pos)):
+                    reached[k] += 1
+                    if follow[k] != answer[pos + 1 + k]:
+                        break
+                    accepted[k], n = accepted[k] + 1, n + 1
+            lookup.commit([answer[pos:pos + n + 1]])
+            pos += n + 1
+    return reached, accepted
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default=f"{DATA}/train_prompts_natural,{DATA}/train_prompts_natural2")
     parser.add_argument("--prompts", default="data/train_prompts_natural.jsonl,data/train_prompts_natural2.jsonl")
     parser.add_argument("--drafts", default="2,4,6")
     parser.add_argument("--min-ngram", default="1,2,3")
+    parser.add_argument("--depths", action="store_true", help="print the lookup's acceptance per draft depth")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -73,6 +97,12 @@ def main() -> None:
             answers.append((seqs.tokens[seqs.offsets[i]:seqs.offsets[i + 1]].tolist(), list(prompt)))
     print(f"{len(answers)} held-out answers, {sum(len(a) for a, _ in answers)} tokens; head alone: "
           f"{1 + HEAD_ACCEPTANCE[0] + HEAD_ACCEPTANCE[0] * HEAD_ACCEPTANCE[1]:.3f} tokens a step")
+    if args.depths:
+        reached, accepted = depth_acceptance(answers)
+        print("| depth | lookups reaching it | P(accepted given the drafts before) |\n|---:|---:|---:|")
+        for k, (r, a) in enumerate(zip(reached, accepted)):
+            print(f"| {k + 1} | {int(r)} | {a / max(1, r):.3f} |")
+        return
     print("| min n-gram | lookup drafts | tokens/step | lookup steps | accepted per lookup step |")
     print("|---:|---:|---:|---:|---:|")
     for min_ngram in [int(x) for x in args.min_ngram.split(",")]:
