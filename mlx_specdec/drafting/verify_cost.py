@@ -25,8 +25,9 @@ costs have not been measured at length here, so there every draft the cutoff kee
 
 from __future__ import annotations
 
-import mlx.core as mx
 import numpy as np
+
+from ..model.device import on_cpu
 
 # `python benchmarks/forward_cost.py --one-row --context 150,2000,6000 --tokens 1,2,3,4,5 --repeats 15`
 # (benchmarks/results/issue18_verify_cost.md): the default model in float32 on the 2-core CPU, one row
@@ -50,7 +51,7 @@ def verify_cost(tokens: int, context: int) -> float:
 
 def costs_measured() -> bool:
     """The table holds for the CPU it was measured on; elsewhere verify what the cutoff keeps."""
-    return mx.default_device() == mx.cpu
+    return on_cpu()
 
 
 def worth_verifying(probs: np.ndarray, owner: np.ndarray, kept: int, context: int) -> int:
