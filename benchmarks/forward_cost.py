@@ -3,6 +3,11 @@
     python benchmarks/forward_cost.py [--context 300] [--tokens 1,2,3,4,6,8,12,16]
     python benchmarks/forward_cost.py --one-row --context 150,2000,6000 --tokens 1,2,3,4,5 --repeats 7
 
+    python benchmarks/forward_cost.py --layout --context 150 --tokens 1,2,3,5,8
+
+The third compares the float32 weights as the engine lays them out on the CPU (column-major,
+model/cpu_layout.py) with row-major copies, interleaved in one process.
+
 The second form prints ReDrafter's verify-cost table (drafting/verify_cost.py's CPU_COST): one row
 of T tokens, as a multiple of one token, per context length.
 
@@ -25,6 +30,7 @@ from roofline import median_ms
 from mlx_specdec import masks
 from mlx_specdec.cache import ContiguousKVCache
 from mlx_specdec.engine import Engine
+from mlx_specdec.model.cpu_layout import LAID_OUT, is_column_major
 from mlx_specdec.model.forward import forward
 
 
@@ -70,9 +76,13 @@ def main():
                         help="add a column: T tokens in one row with explicit positions and a tree (tail) mask")
     parser.add_argument("--one-row", action="store_true",
                         help="only T tokens in one row, for each of a comma list of --context lengths")
+    parser.add_argument("--layout", action="store_true",
+                        help="one row of T tokens with column-major (as loaded on the CPU) and row-major weights")
     args = parser.parse_args()
     model = Engine.load(args.model).lm.model
     counts = [int(t) for t in args.tokens.split(",")]
+    if args.layout:
+        return layout_table(model, int(args.context.split(",")[0]), counts, args.repeats)
     if args.one_row:
         return one_row_table(model, [int(c) for c in args.context.split(",")], counts, args.repeats)
     args.context = int(args.context)
@@ -102,6 +112,33 @@ def one_row_table(model, contexts, counts, repeats) -> None:
         cache = prefilled(model, 1, context)
         ms = [forward_ms(model, 1, t, context, repeats, cache=cache) for t in counts]
         print(f"| {context} | " + " | ".join(f"{m / ms[0]:.2f}" for m in ms) + f" |  (T=1: {ms[0]:.1f} ms)", flush=True)
+
+
+def layout_table(model, context, counts, repeats) -> None:
+    modules = [m for _, m in model.named_modules() if type(m) in LAID_OUT]
+    laid = [m.weight for m in modules]
+    plain = [mx.contiguous(w) for w in laid]  # row-major copies (twice the weight memory while this runs)
+    mx.eval(plain)
+
+    def use(weights):
+        for module, weight in zip(modules, weights):
+            module.weight = weight
+
+    columns = sum(is_column_major(w) for w in laid)
+    print(f"one row of T query tokens after {context}; median of {repeats}; {columns}/{len(laid)} weights "
+          f"column-major as loaded; mlx {mx.__version__}, {mx.default_device()}")
+    print("| T | row-major (ms) | x one token | column-major (ms) | x one token | column / row |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    cache = prefilled(model, 1, context)
+    first = None
+    for t in counts:
+        use(plain)
+        row = forward_ms(model, 1, t, context, repeats, cache=cache)
+        use(laid)
+        column = forward_ms(model, 1, t, context, repeats, cache=cache)
+        first = first or (row, column)
+        print(f"| {t} | {row:.1f} | {row / first[0]:.2f} | {column:.1f} | {column / first[1]:.2f} | "
+              f"{column / row:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import CorruptModel, ModelNotFound, UnsupportedModel
+from .cpu_layout import store_column_major
 from .default import ensure_default_model, home
 from .device import on_cpu
 
@@ -244,6 +245,8 @@ def load_model(spec: Optional[str] = "default", dtype: str = "auto", dequantize:
         model = dequantize_model(model)
     model.set_dtype(getattr(mx, compute))
     mx.eval(model.parameters())  # materialise once: lazy weights would be loaded inside the first step
+    if compute == "float32" and on_cpu():
+        store_column_major(model)  # OpenBLAS's NN GEMM: ~14 % less per token here (cpu_layout.py)
 
     if getattr(tokenizer, "chat_template", None) is None:
         tokenizer._tokenizer.chat_template = VICUNA_TEMPLATE
