@@ -115,31 +115,22 @@ def one_row_table(model, contexts, counts, repeats) -> None:
 
 
 def layout_table(model, context, counts, repeats) -> None:
+    """Every T with the weights as loaded (column-major on the CPU), then every T again after making
+    each weight row-major in place (one copy of the weights at a time, as a row-major load has)."""
     modules = [m for _, m in model.named_modules() if type(m) in LAID_OUT]
-    laid = [m.weight for m in modules]
-    plain = [mx.contiguous(w) for w in laid]  # row-major copies (twice the weight memory while this runs)
-    mx.eval(plain)
-
-    def use(weights):
-        for module, weight in zip(modules, weights):
-            module.weight = weight
-
-    columns = sum(is_column_major(w) for w in laid)
-    print(f"one row of T query tokens after {context}; median of {repeats}; {columns}/{len(laid)} weights "
+    columns = sum(is_column_major(m.weight) for m in modules)
+    print(f"one row of T query tokens after {context}; median of {repeats}; {columns}/{len(modules)} weights "
           f"column-major as loaded; mlx {mx.__version__}, {mx.default_device()}")
+    cache = prefilled(model, 1, context)
+    column = [forward_ms(model, 1, t, context, repeats, cache=cache) for t in counts]
+    for module in modules:
+        module.weight = mx.contiguous(module.weight)  # row-major, as mlx-lm loads it
+        mx.eval(module.weight)
+    row = [forward_ms(model, 1, t, context, repeats, cache=cache) for t in counts]
     print("| T | row-major (ms) | x one token | column-major (ms) | x one token | column / row |")
     print("|---:|---:|---:|---:|---:|---:|")
-    cache = prefilled(model, 1, context)
-    first = None
-    for t in counts:
-        use(plain)
-        row = forward_ms(model, 1, t, context, repeats, cache=cache)
-        use(laid)
-        column = forward_ms(model, 1, t, context, repeats, cache=cache)
-        first = first or (row, column)
-        print(f"| {t} | {row:.1f} | {row / first[0]:.2f} | {column:.1f} | {column / first[1]:.2f} | "
-              f"{column / row:.3f} |", flush=True)
-
+    for t, r, c in zip(counts, row, column):
+        print(f"| {t} | {r:.1f} | {r / row[0]:.2f} | {c:.1f} | {c / column[0]:.2f} | {c / r:.3f} |")
 
 if __name__ == "__main__":
     main()

@@ -36,8 +36,8 @@ def test_sure_drafts_are_all_verified_and_a_plain_step_is_kept_when_the_cutoff_l
 
 
 def test_a_doubtful_draft_worth_verifying_at_chat_length_is_not_worth_it_over_a_long_document():
-    # One draft at 0.25: 1.25 expected tokens for 1.14 plain steps at 150 tokens of context (worth
-    # it), for 1.28 at 6,000 (not: a plain step's 1 token per step is the better rate).
+    # One draft at 0.25: 1.25 expected tokens for 1.18 plain steps at 150 tokens of context (worth
+    # it), for 1.34 at 6,000 (not: a plain step's 1 token per step is the better rate).
     probs, owner = _chain([0.25])
     assert worth_verifying(probs, owner, kept=2, context=150) == 2
     assert worth_verifying(probs, owner, kept=2, context=6000) == 1
@@ -52,9 +52,9 @@ def test_the_cost_counts_the_packed_tree_tokens_of_the_widest_row():
     # Two beams that differ from the first draft on: depth 1 packs 1 + 2 tokens, not 2.
     beams = np.array([[[5, 1, 2], [5, 3, 4]]], dtype=np.int32)
     owner = dedup_prefix(beams, np)
-    probs = np.array([[[0.3, 0.9], [0.3, 0.9]]], dtype=np.float32)
-    # 1.3 expected tokens for verify_cost(3) = 1.26 at chat length beats 1 token for 1; two drafts
-    # deep, 1.57 for 5 tokens (1.66), does not.
+    probs = np.array([[[0.35, 0.5], [0.35, 0.5]]], dtype=np.float32)
+    # 1.35 expected tokens for verify_cost(3) = 1.32 at chat length beats 1 token for 1; two drafts
+    # deep, 1.525 for 5 tokens (1.60), does not.
     assert worth_verifying(probs, owner, kept=3, context=150) == 2
     assert worth_verifying(probs, owner, kept=2, context=6000) == 1  # 1.3 for 1.45: a plain step
 

@@ -1,9 +1,9 @@
 """How many drafts a step should verify: the drafts' odds against what verifying them costs here.
 
 The draft cutoff ("verify a draft only where it is at least c likely") was chosen by a sweep at
-chat length, where one more verified token costs ~0.13 of a plain step on the 2-core CPU. Over a
+chat length, where one more verified token costs ~0.15 of a plain step on the 2-core CPU. Over a
 long document it costs about twice that (benchmarks/results/issue18_verify_cost.md: after 6,000
-tokens a 2-token verify costs 1.28 plain steps and a 5-token one 1.94, against 1.14 and 1.66 after
+tokens a 2-token verify costs 1.34 plain steps and a 5-token one 2.08, against 1.18 and 1.60 after
 150; attention's exps over the KV grow with the query rows on 2 cores), so drafts the cutoff keeps
 can cost more than they bring.
 
@@ -30,13 +30,14 @@ import numpy as np
 from ..model.device import on_cpu
 
 # `python benchmarks/forward_cost.py --one-row --context 150,2000,6000 --tokens 1,2,3,4,5 --repeats 15`
-# (benchmarks/results/issue18_verify_cost.md): the default model in float32 on the 2-core CPU, one row
-# of T query tokens after `context` tokens, as a multiple of one token, medians of 15.
+# (benchmarks/results/issue18_verify_cost.md): the default model in float32 on the 2-core CPU, weights
+# column-major as the engine loads them there (model/cpu_layout.py), one row of T query tokens after
+# `context` tokens, as a multiple of one token, medians of 15.
 CPU_CONTEXTS = np.array([150.0, 2000.0, 6000.0])
 CPU_COST = np.array([  # T = 1 .. 5
-    [1.0, 1.14, 1.26, 1.38, 1.66],  # 150 tokens (T=1: 67.6 ms; 5 rows are a slow OpenBLAS shape)
-    [1.0, 1.21, 1.36, 1.55, 1.63],  # 2,000 (81.4 ms)
-    [1.0, 1.28, 1.52, 1.76, 1.94],  # 6,000 (108.9 ms)
+    [1.0, 1.18, 1.32, 1.47, 1.60],  # 150 tokens (T=1: 53.1 ms)
+    [1.0, 1.27, 1.44, 1.63, 1.78],  # 2,000 (67.3 ms)
+    [1.0, 1.34, 1.59, 1.88, 2.08],  # 6,000 (96.2 ms)
 ])
 
 

@@ -34,6 +34,13 @@ def is_column_major(weight: mx.array) -> bool:
     return memoryview(weight).strides == (item, item * weight.shape[0])  # bytes; evaluates the weight
 
 
+def column_major(weight: mx.array) -> mx.array:
+    """The same (out, in) matrix, its memory holding (in, out) row-major: `x @ weight.T` is an NN GEMM."""
+    laid = mx.contiguous(weight.T).T
+    mx.eval(laid)
+    return laid
+
+
 def store_column_major(model: nn.Module) -> int:
     """Re-lay every plain Linear / Embedding float32 weight column-major, in place. -> how many."""
     count = 0
@@ -43,7 +50,6 @@ def store_column_major(model: nn.Module) -> int:
         weight = module.weight
         if weight.dtype != mx.float32 or weight.ndim != 2 or is_column_major(weight):
             continue
-        module.weight = mx.contiguous(weight.T).T  # same shape and values; (in, out) row-major underneath
-        mx.eval(module.weight)  # one matrix at a time: the old copy is freed before the next is made
+        module.weight = column_major(weight)  # one matrix at a time: the old copy is freed before the next
         count += 1
     return count
