@@ -222,3 +222,17 @@ def test_tree_mask_is_what_makes_branches_independent():
     causal = forward(model, mx.array(TREE_TOKENS)[None], _prefilled(model, PREFIX)).logits
     assert np.allclose(_np(tree[0, :4]), _np(causal[0, :4]), atol=1e-4)  # branch A is a prefix chain
     assert not np.allclose(_np(tree[0, 5]), _np(causal[0, 5]), atol=1e-2)
+
+
+@pytest.mark.parametrize("traditional", [True, False])
+def test_compiled_rope_equals_the_module_bit_for_bit(traditional):
+    """apply_rope (compiled on the CPU) against the rope module itself: scalar and per-row offsets,
+    one token, several tokens, the per-token rows rope_at makes."""
+    from mlx_specdec.model.forward import apply_rope
+
+    rope = nn.RoPE(64, traditional=traditional, base=100000.0)
+    cases = [((1, 9, 1, 64), 150), ((1, 3, 5, 64), 3000), ((2, 9, 4, 64), 0),
+             ((7, 9, 1, 64), mx.arange(100, 107, dtype=mx.int32))]
+    for shape, offset in cases:
+        x = mx.random.normal(shape) * 3
+        assert mx.array_equal(apply_rope(rope, x, offset), rope(x, offset=offset)).item(), (shape, offset)

@@ -20,12 +20,35 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .attention import Mask, attention_over_cache, widen_tail_mask
+from .device import on_cpu
 
 
 @dataclass
 class ForwardOutput:
     hidden: mx.array  # (B, L, D) final-norm hidden states: the input of the vocabulary projection
     logits: Optional[mx.array]  # (B, L', V) for the requested positions, or None
+
+
+_COMPILED_ROPE = "_mlx_specdec_compiled_rope"  # where a rope module keeps its compiled call
+
+
+def apply_rope(rope: nn.Module, x: mx.array, offset: Union[int, mx.array]) -> mx.array:
+    """`rope(x, offset=offset)`; on the CPU through one `mx.compile`d graph per rope module.
+
+    MLX's CPU RoPE is a graph of small ops built anew each call: the default model's 60 calls a
+    forward took 11 of its ~53 ms one-token step; compiled (its elementwise ops fused into one
+    kernel) 2.4 ms, bit for bit the same output (tests/test_forward.py). The offset goes in as an
+    array so that one compiled graph serves every position; a new input shape retraces it (~0.5 ms;
+    the kernel is built once, ~0.5 s, on a process's first forward). On a GPU RoPE is one kernel.
+    """
+    if not on_cpu():
+        return rope(x, offset=offset)
+    compiled = rope.__dict__.get(_COMPILED_ROPE)
+    if compiled is None:
+        compiled = mx.compile(lambda values, start: rope(values, offset=start))
+        rope.__dict__[_COMPILED_ROPE] = compiled  # a plain attribute: not a parameter of the module
+    start = offset if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32)
+    return compiled(x, start)
 
 
 def rope_at(rope: nn.Module, x: mx.array, positions: mx.array) -> mx.array:
@@ -37,7 +60,7 @@ def rope_at(rope: nn.Module, x: mx.array, positions: mx.array) -> mx.array:
     """
     B, H, L, D = x.shape
     per_token = x.transpose(0, 2, 1, 3).reshape(B * L, H, 1, D)  # (B*L, H, 1, D)
-    rotated = rope(per_token, offset=positions.reshape(-1).astype(mx.int32))
+    rotated = apply_rope(rope, per_token, positions.reshape(-1).astype(mx.int32))
     return rotated.reshape(B, L, H, D).transpose(0, 2, 1, 3)  # (B, H, L, D)
 
 
@@ -49,8 +72,8 @@ def attention(attn: nn.Module, x: mx.array, positions: Optional[mx.array], cache
 
     if positions is None:
         offset = cache.offset if cache is not None else 0
-        queries = attn.rope(queries, offset=offset)
-        keys = attn.rope(keys, offset=offset)
+        queries = apply_rope(attn.rope, queries, offset)
+        keys = apply_rope(attn.rope, keys, offset)
     else:
         queries = rope_at(attn.rope, queries, positions)
         keys = rope_at(attn.rope, keys, positions)
