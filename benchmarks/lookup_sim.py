@@ -1,7 +1,8 @@
 """How often prompt lookup would draft well on the default model's own greedy answers (offline).
 
     python benchmarks/lookup_sim.py [--data DIR[,DIR]] [--prompts FILE[,FILE]] [--drafts 2,4,6] [--min-ngram 1,2,3]
-    python benchmarks/lookup_sim.py --depths     # lookup.LOOKUP_CONFIDENCE: acceptance per draft depth
+    python benchmarks/lookup_sim.py --depths     # acceptance per draft depth, one fixed length
+    python benchmarks/lookup_sim.py --streaks    # lookup.LOOKUP_CONFIDENCE / STREAK_CONFIDENCE
 
 Walks each held-out distillation answer (prompt + the model's greedy answer, as `train-drafter
 --data-only` wrote them) the way `redrafter --lookup N` decodes it: at each step, if the text so
@@ -76,6 +77,33 @@ def depth_acceptance(answers, drafts: int = 6):
     return reached, accepted
 
 
+def streak_acceptance(answers, drafts: int = 4, longest: int = 16):
+    """As `redrafter --lookup drafts` with streaks: a lookup accepted whole doubles the next one (up
+    to `longest`), anything else resets it. Per depth, for lookups outside a streak [0] and in one
+    [1]: (reached, accepted)."""
+    reached, accepted = np.zeros((2, longest)), np.zeros((2, longest))
+    for answer, prompt in answers:
+        lookup = NgramProposer(4, longest + 1, vocab=1, max_ngram=4, min_ngram=2)
+        lookup.begin([prompt])
+        pos, streak, allowed = 0, 0, drafts
+        while pos < len(answer) - 1:
+            found, n = lookup.continuations(0, answer[pos]), 0
+            if found:
+                follow = max(found, key=len)[:allowed]
+                for k in range(min(len(follow), len(answer) - 1 - pos)):
+                    reached[streak, k] += 1
+                    if follow[k] != answer[pos + 1 + k]:
+                        break
+                    accepted[streak, k], n = accepted[streak, k] + 1, n + 1
+                streak = int(n == len(follow))
+            else:
+                streak = 0
+            allowed = min(2 * allowed, longest) if streak else drafts
+            lookup.commit([answer[pos:pos + n + 1]])
+            pos += n + 1
+    return reached, accepted
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default=f"{DATA}/train_prompts_natural,{DATA}/train_prompts_natural2")
@@ -83,6 +111,8 @@ def main() -> None:
     parser.add_argument("--drafts", default="2,4,6")
     parser.add_argument("--min-ngram", default="1,2,3")
     parser.add_argument("--depths", action="store_true", help="print the lookup's acceptance per draft depth")
+    parser.add_argument("--streaks", action="store_true",
+                        help="the same outside and inside a streak of whole accepted lookups (4 drafts, up to 16)")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -97,6 +127,14 @@ def main() -> None:
             answers.append((seqs.tokens[seqs.offsets[i]:seqs.offsets[i + 1]].tolist(), list(prompt)))
     print(f"{len(answers)} held-out answers, {sum(len(a) for a, _ in answers)} tokens; head alone: "
           f"{1 + HEAD_ACCEPTANCE[0] + HEAD_ACCEPTANCE[0] * HEAD_ACCEPTANCE[1]:.3f} tokens a step")
+    if args.streaks:
+        reached, accepted = streak_acceptance(answers)
+        print("| depth | lookups outside a streak | P(accepted given the drafts before) | in a streak | P(...) |")
+        print("|---:|---:|---:|---:|---:|")
+        for k in range(reached.shape[1]):
+            print(f"| {k + 1} | {int(reached[0, k])} | {accepted[0, k] / max(1, reached[0, k]):.3f} | "
+                  f"{int(reached[1, k])} | {accepted[1, k] / max(1, reached[1, k]):.3f} |")
+        return
     if args.depths:
         reached, accepted = depth_acceptance(answers)
         print("| depth | lookups reaching it | P(accepted given the drafts before) |\n|---:|---:|---:|")

@@ -7,7 +7,8 @@ import pytest
 
 from mlx_specdec.drafting.base import Proposal
 from mlx_specdec.drafting.calibration import DraftTrust
-from mlx_specdec.drafting.lookup import LOOKUP_CONFIDENCE, LookupFirst, lookup_confidence
+from mlx_specdec.drafting.lookup import (LOOKUP_CONFIDENCE, STREAK_CONFIDENCE, STREAK_LONGEST, LookupFirst,
+                                         lookup_confidence)
 
 from conftest import make_tiny_lm
 from test_redrafter import (PROMPTS, check_second_token_distribution, engine_with, oracle_head, random_head, run,
@@ -95,6 +96,44 @@ def test_a_short_lookup_is_padded_and_padding_is_never_trusted():
     drafted = lookup.draft(head, np.array([8]))
     assert drafted.beams[0, 0].tolist() == [8, 9, 7, 8]  # 9 7 8: the text after the match, + own token
     assert drafted.confidence[0, 0].tolist() == pytest.approx(LOOKUP_CONFIDENCE[:3])
+
+
+LOOP = [1, 2, 3, 4, 5, 6, 7, 8] * 6  # a text that repeats with period 8: every lookup is right
+
+
+def _loop_step(lookup, own, accepted, verified=None):
+    """Draft after `own`, then commit `accepted` of the lookup's drafts (what the target kept)."""
+    head = _head_proposal([[[own, 0, 0]]], [[[0.1, 0.1]]])
+    drafted = lookup.draft(head, np.array([own]))
+    follow = drafted.beams[0, 0, 1:].tolist()
+    lookup.commit([[own] + follow[:accepted]], verified=verified)
+    return drafted, follow
+
+
+def test_a_lookup_accepted_whole_doubles_the_next_one_and_carries_the_streak_s_acceptance():
+    lookup = LookupFirst(drafts=2, vocab=50)
+    lookup.begin([LOOP])
+    drafted, follow = _loop_step(lookup, 1, accepted=2)  # "8 1" seen: 2 3 drafted, both accepted
+    assert follow == [2, 3] and drafted.confidence[0, 0].tolist() == pytest.approx(LOOKUP_CONFIDENCE[:2])
+    assert lookup.streak.tolist() == [True] and lookup.allowed.tolist() == [4]
+    drafted, follow = _loop_step(lookup, 4, accepted=4)
+    assert follow == [5, 6, 7, 8]
+    assert drafted.confidence[0, 0].tolist() == pytest.approx(STREAK_CONFIDENCE[:4])
+    assert lookup.allowed.tolist() == [2 * STREAK_LONGEST]  # 8: the longest a streak may draft
+    drafted, follow = _loop_step(lookup, 1, accepted=3)  # a miss at the fourth draft ends the streak
+    assert len(follow) == 2 * STREAK_LONGEST
+    assert lookup.streak.tolist() == [False] and lookup.allowed.tolist() == [2]
+
+
+def test_a_streak_counts_only_the_drafts_the_step_verified_and_a_head_step_ends_it():
+    lookup = LookupFirst(drafts=4, vocab=50)
+    lookup.begin([LOOP, [30, 31, 32]])
+    head = _head_proposal([[[1, 0, 0]], [[33, 40, 41]]], [[[0.1, 0.1]], [[0.9, 0.9]]])
+    drafted = lookup.draft(head, np.array([1, 33]))
+    assert drafted.from_lookup.tolist() == [True, False]
+    # The cost rule verified one draft: row 0's one was accepted (a streak), row 1's head draft too.
+    lookup.commit([[1, 2], [33, 40]], verified=1)
+    assert lookup.streak.tolist() == [True, False] and lookup.allowed.tolist() == [8, 4]
 
 
 def test_lookup_rows_carry_one_hot_draft_probabilities_and_head_rows_the_head_s():

@@ -220,7 +220,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
             else:
                 # Host sync: the acceptance results; the lookup needs the next own token on the host.
                 best, accepted, token = _read(result.beam, result.num_accepted, result.next_token)
-                lookup.commit([beams[b, best[b], : accepted[b] + 1] for b in range(len(rows))])
+                lookup.commit([beams[b, best[b], : accepted[b] + 1] for b in range(len(rows))], verified=step_length - 1)
                 drafts, next_beams, next_owner, next_confidence, next_from_lookup = lookup.draft(drafts, token)
             mark("sync_s", t0)
 
