@@ -49,6 +49,18 @@ def test_lookup_drafts_are_accepted_on_a_looping_answer():
     assert stats.forward_passes < head_only.forward_passes
 
 
+def test_a_streak_drafts_past_the_lookup_length_on_a_looping_answer_and_output_is_unchanged():
+    """In the loop every lookup is accepted whole, so the rows draft 2, 4, then 8 tokens: a lookup
+    step accepts more on average than --lookup 2 could ever propose."""
+    lm = make_tiny_lm(seed=2, eos_id=96)
+    engine = engine_with(lm, random_head(lm))
+    want, _ = run(engine, PROMPTS[0], "ar", max_tokens=60)
+    got, stats = run(engine, PROMPTS[0], "redrafter", max_tokens=60,
+                     options={"lookup": 2, "draft_cutoff": 0.0})
+    assert got == want
+    assert stats.extra["lookup_accepted_per_step"] > 2
+
+
 @pytest.mark.parametrize("width", [1, 3])
 def test_batched_rows_with_lookup_each_equal_their_own_plain_decoding(width):
     lm = make_tiny_lm(seed=4, eos_id=96)
