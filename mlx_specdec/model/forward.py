@@ -35,9 +35,10 @@ _COMPILED_ROPE = "_mlx_specdec_compiled_rope"  # where a rope module keeps its c
 def apply_rope(rope: nn.Module, x: mx.array, offset: Union[int, mx.array]) -> mx.array:
     """`rope(x, offset=offset)`; on the CPU through one `mx.compile`d graph per rope module.
 
-    MLX's CPU RoPE is a graph of small ops built anew each call: the default model's 60 calls a
-    forward took 11 of its ~53 ms one-token step; compiled (its elementwise ops fused into one
-    kernel) 2.4 ms, bit for bit the same output (tests/test_forward.py). The offset goes in as an
+    MLX's CPU RoPE is a graph of small ops built anew each call: the default model's 60 calls of a
+    forward took 11.0 ms on their own, 2.4 ms compiled (its elementwise ops fused into one kernel),
+    bit for bit the same output (tests/test_forward.py); inside a ~55 ms one-token forward that
+    saved 2-3 ms (benchmarks/results/cpu_weight_layout.md). The offset goes in as an
     array so that one compiled graph serves every position; a new input shape retraces it (~0.5 ms;
     the kernel is built once, ~0.5 s, on a process's first forward). On a GPU RoPE is one kernel.
     """
