@@ -2,14 +2,12 @@
 
     python benchmarks/forward_cost.py [--context 300] [--tokens 1,2,3,4,6,8,12,16]
     python benchmarks/forward_cost.py --one-row --context 150,2000,6000 --tokens 1,2,3,4,5 --repeats 7
-
     python benchmarks/forward_cost.py --layout --context 150 --tokens 1,2,3,5,8
 
-The third compares the float32 weights as the engine lays them out on the CPU (column-major,
-model/cpu_layout.py) with row-major copies, interleaved in one process.
-
 The second form prints ReDrafter's verify-cost table (drafting/verify_cost.py's CPU_COST): one row
-of T tokens, as a multiple of one token, per context length.
+of T tokens, as a multiple of one token, per context length. The third compares the float32 weights
+as the engine lays them out on the CPU (column-major, model/cpu_layout.py) with the same weights
+made row-major afterwards, in one process.
 
 Speculative methods buy fewer forwards with wider ones: ReDrafter verifies a packed tree of T
 tokens in one row, APAR decodes T live threads as T rows of one token. Either only pays off if
@@ -131,6 +129,7 @@ def layout_table(model, context, counts, repeats) -> None:
     print("|---:|---:|---:|---:|---:|---:|")
     for t, r, c in zip(counts, row, column):
         print(f"| {t} | {r:.1f} | {r / row[0]:.2f} | {c:.1f} | {c / column[0]:.2f} | {c / r:.3f} |")
+
 
 if __name__ == "__main__":
     main()

@@ -57,24 +57,10 @@ def walk(answer, prompt, drafts, min_ngram, rng):
 
 def depth_acceptance(answers, drafts: int = 6):
     """P(lookup draft k is the answer's token | drafts 1..k-1 were), 2-gram triggers, lookups only
-    (a step without one advances one token): (reached per depth, accepted per depth)."""
-    reached, accepted = np.zeros(drafts), np.zeros(drafts)
-    for answer, prompt in answers:
-        lookup = NgramProposer(4, drafts + 1, vocab=1, max_ngram=4, min_ngram=2)
-        lookup.begin([prompt])
-        pos = 0
-        while pos < len(answer) - 1:
-            found, n = lookup.continuations(0, answer[pos]), 0
-            if found:
-                follow = max(found, key=len)
-                for k in range(min(len(follow), len(answer) - 1 - pos)):
-                    reached[k] += 1
-                    if follow[k] != answer[pos + 1 + k]:
-                        break
-                    accepted[k], n = accepted[k] + 1, n + 1
-            lookup.commit([answer[pos:pos + n + 1]])
-            pos += n + 1
-    return reached, accepted
+    (a step without one advances one token), every lookup `drafts` long: (reached, accepted) per depth.
+    A streak that may not grow past `drafts` is exactly that walk; its two halves add up."""
+    reached, accepted = streak_acceptance(answers, drafts=drafts, longest=drafts)
+    return reached.sum(axis=0), accepted.sum(axis=0)
 
 
 def streak_acceptance(answers, drafts: int = 4, longest: int = 16):

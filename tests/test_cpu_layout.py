@@ -10,7 +10,7 @@ from conftest import make_tiny_llama, save_tiny_model_dir
 
 from mlx_specdec import masks
 from mlx_specdec.cache import ContiguousKVCache
-from mlx_specdec.model.cpu_layout import is_column_major, store_column_major
+from mlx_specdec.model.cpu_layout import LAID_OUT, is_column_major, store_column_major
 from mlx_specdec.model.device import on_cpu
 from mlx_specdec.model.forward import forward
 from mlx_specdec.model.loader import load_model
@@ -19,7 +19,7 @@ PROMPT = mx.array([[5, 17, 3, 88, 41, 9, 60, 12]])
 
 
 def laid_out(model):
-    return [m for _, m in model.named_modules() if type(m) in (nn.Linear, nn.Embedding)]
+    return [m for _, m in model.named_modules() if type(m) in LAID_OUT]
 
 
 def row_major_again(model):

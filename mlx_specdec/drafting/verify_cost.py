@@ -44,7 +44,15 @@ CPU_COST = np.array([  # T = 1 .. 5
 def verify_cost(tokens: int, context: int) -> float:
     """A `tokens`-token forward after `context` tokens, as a multiple of a one-token forward
     (interpolated in the context; past 5 tokens, extended by the last measured step)."""
-    per_t = np.array([np.interp(context, CPU_CONTEXTS, CPU_COST[:, t]) for t in range(CPU_COST.shape[1])])
+    return _cost(_costs_at(context), tokens)
+
+
+def _costs_at(context: int) -> np.ndarray:
+    """(5,) the table's row for T = 1..5, interpolated at `context`."""
+    return np.array([np.interp(context, CPU_CONTEXTS, CPU_COST[:, t]) for t in range(CPU_COST.shape[1])])
+
+
+def _cost(per_t: np.ndarray, tokens: int) -> float:
     if tokens <= len(per_t):
         return float(per_t[tokens - 1])
     return float(per_t[-1] + (tokens - len(per_t)) * (per_t[-1] - per_t[-2]))
@@ -65,9 +73,10 @@ def worth_verifying(probs: np.ndarray, owner: np.ndarray, kept: int, context: in
     reach = np.cumprod(probs[:, :, : kept - 1], axis=-1).max(axis=1)  # (B, kept-1): the likeliest beam to depth j
     new_prefix = owner[:, :, :kept] == np.arange(W)[None, :, None]  # (B, W, kept): a packed token each
     tree_tokens = np.cumsum(new_prefix.sum(axis=1), axis=-1).max(axis=0)  # (kept,) T(k), widest row
-    best, best_rate = 1, B / verify_cost(int(tree_tokens[0]), context)
+    per_t = _costs_at(context)  # once a step: the row for this context
+    best, best_rate = 1, B / _cost(per_t, int(tree_tokens[0]))
     for k in range(1, kept):
-        rate = (B + reach[:, :k].sum()) / verify_cost(int(tree_tokens[k]), context)
+        rate = (B + reach[:, :k].sum()) / _cost(per_t, int(tree_tokens[k]))
         if rate > best_rate:
             best, best_rate = k + 1, rate
     return best
