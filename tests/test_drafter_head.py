@@ -11,7 +11,8 @@ from conftest import make_tiny_lm
 from mlx_specdec.drafter.data import Sequences
 from mlx_specdec.drafter.head import (DrafterConfig, DrafterHead, DrafterMismatch, load_drafter,
                                       save_drafter, tokenizer_hash)
-from mlx_specdec.drafter.train import TrainConfig, evaluate_head, train_head
+from mlx_specdec.drafter.teacher_forcing import evaluate_head
+from mlx_specdec.drafter.train import TrainConfig, train_head
 from mlx_specdec.drafter.vocab import draft_vocabulary
 from mlx_specdec.errors import UserError
 
@@ -223,3 +224,45 @@ def test_init_from_grows_a_head_by_blocks_that_start_as_the_identity(lm, tmp_pat
     trained = train_head(lm, data, TrainConfig(**base, num_blocks=4, epochs=1, lr=1e-3,
                                                init_from=str(tmp_path / "first")), progress=False, log=lambda *_: None)
     assert any(params(trained.head)[k].any() for k in b if k.startswith("blocks.3."))
+
+
+def test_soft_targets_loss_is_the_cross_entropy_against_the_llms_own_distribution(lm):
+    """soft_weight 1: the token loss is -sum p_llm log p_draft over the draft vocabulary, p_llm =
+    softmax(the target's hidden state @ the LLM's output rows); a one-hot teacher gives the hard loss
+    back; the weight mixes the two."""
+    from mlx_specdec.drafter.head import llm_output_rows
+    from mlx_specdec.drafter.teacher_forcing import Windows, llm_embedding_table, loss_fn, unroll
+
+    data = synthetic_data(lm)
+    head = DrafterHead(tiny_config(lm, draft_vocab_size=64, draft_length=3), np.arange(20, 84))
+    toks, valid, hidden, following = Windows(data, 3).batch(np.arange(0, 64, 3))
+    table = llm_embedding_table(lm)
+    rows = llm_output_rows(lm, head.draft_to_full)
+    hard = loss_fn(head, table, toks, valid, hidden, following)
+    soft = loss_fn(head, table, toks, valid, hidden, following, teacher_rows=rows, soft_weight=1.0)
+    logits = unroll(head, table[toks[:, :3]], hidden)  # (B, 3, K)
+    logp = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    teacher = np.array(mx.softmax(following @ rows.T, axis=-1))
+    inside = np.array(valid[:, 1:])
+    want = -(teacher * logp).sum(-1)[inside].mean()
+    assert abs(soft.item() - want) < 1e-4 * max(1.0, abs(want))
+    assert soft.item() != pytest.approx(hard.item())
+    half = loss_fn(head, table, toks, valid, hidden, following, teacher_rows=rows, soft_weight=0.5)
+    assert half.item() == pytest.approx(0.5 * hard.item() + 0.5 * soft.item(), rel=1e-5)
+
+
+def test_training_with_soft_targets_learns_the_rule_and_resumes_only_with_them(lm, tmp_path):
+    data = synthetic_data(lm)
+    base = dict(draft_vocab_size=64, draft_length=3, batch_size=32, lr=3e-3, checkpoint_every=5,
+                output="llm_head")
+    # (the tiny LM's own distribution is near uniform and knows nothing of the data's rule: half
+    # hard labels still teach the rule; the soft half's floor is the teacher's entropy)
+    result = train_head(lm, data, TrainConfig(**base, epochs=10, soft_targets=0.5), progress=False,
+                        log=lambda *_: None)
+    assert np.mean(result.losses[-3:]) < 0.8 * np.mean(result.losses[:3])
+    assert evaluate_head(result.head, lm, data)["acc"][0] > 0.5
+    train_head(lm, data, TrainConfig(**base, epochs=1, max_steps=5, soft_targets=0.5), checkpoint_dir=tmp_path,
+               progress=False, log=lambda *_: None)
+    with pytest.raises(UserError, match="other settings"):
+        train_head(lm, data, TrainConfig(**base, epochs=1, max_steps=10), checkpoint_dir=tmp_path,
+                   progress=False, log=lambda *_: None)

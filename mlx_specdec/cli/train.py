@@ -33,6 +33,9 @@ def add_parser(sub) -> None:
                         "output rows) or draft_vocab (a learned K-way projection) (default: %(default)s)")
     p.add_argument("--feature-loss", type=float, default=1.0,
                    help="weight of the hidden-state regression for llm_head (default: %(default)s)")
+    p.add_argument("--soft-targets", type=float, default=0.0, metavar="A",
+                   help="share of the token loss taken against the LLM's whole distribution over the draft "
+                        "vocabulary instead of its greedy token alone, 0-1 (default: %(default)s = hard labels)")
     p.add_argument("--blocks", type=int, default=2, help="residual blocks (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=256, help="windows per step (default: %(default)s)")
     p.add_argument("--epochs", type=float, default=2.0, help="epochs (default: %(default)s)")
@@ -142,6 +145,8 @@ def cmd_train_drafter(args) -> int:
         raise UserError("--draft-vocab, --draft-length and --batch-size must be positive")
     if args.epochs <= 0 or args.lr <= 0:
         raise UserError("--epochs and --lr must be positive")
+    if not 0.0 <= args.soft_targets <= 1.0:
+        raise UserError("--soft-targets is a share between 0 and 1")
     prompts = _training_prompt_files(args.prompts)
     if args.output_kind not in ("draft_vocab", "llm_head"):
         raise UserError("--output-kind is draft_vocab or llm_head")
@@ -155,7 +160,7 @@ def cmd_train_drafter(args) -> int:
                       num_blocks=args.blocks, batch_size=args.batch_size, epochs=args.epochs,
                       lr=args.lr, seed=args.seed, checkpoint_every=args.checkpoint_every,
                       max_steps=args.max_steps, output=args.output_kind, feature_loss=args.feature_loss,
-                      init_from=str(Path(args.init_from).resolve()) if args.init_from else None)
+                      soft_targets=args.soft_targets, init_from=str(Path(args.init_from).resolve()) if args.init_from else None)
     run_pipeline(engine.lm, prompts, data_dir, Path(args.output), ckpt, cfg,
                  max_new_tokens=args.max_new_tokens, data_batch=args.data_batch,
                  measure_k=not args.skip_k_measure, log=_log, data_only=args.data_only,

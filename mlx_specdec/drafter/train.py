@@ -8,8 +8,12 @@ For a response position i with hidden state hidden[i] (which produced tokens[i])
 for k = 1..T (T = draft_length), cross-entropy over the draft vocabulary; targets past the end
 of the answer or outside the draft vocabulary are masked out of the loss. With output="llm_head"
 the head also regresses its predicted hidden state at step k onto hidden[i+k], the LLM's real
-hidden state that produced tokens[i+k] (smooth L1, weight `feature_loss`), as EAGLE does. AdamW with a linear
-warm-up then cosine decay. Checkpoints (head + optimizer + step) let an interrupted run resume
+hidden state that produced tokens[i+k] (smooth L1, weight `feature_loss`), as EAGLE does. With
+`soft_targets` = a > 0 the token loss is (1 - a) * that cross-entropy + a * the cross-entropy against
+the LLM's whole distribution over the draft vocabulary at the target (softmax of hidden[i+k] through
+the LLM's own output rows: what the data already holds, no extra forward), as EAGLE's classification
+loss: the hard label says only which token won, the soft one also how close the others came.
+AdamW with a linear warm-up then cosine decay. Checkpoints (head + optimizer + step) let an interrupted run resume
 with exactly the same batches (the data order is a fixed function of seed and epoch).
 """
 
@@ -32,6 +36,7 @@ from ..errors import UserError
 from .data import Sequences, keep_prompts, load_splits, training_prompt_ids
 from .head import (DrafterConfig, DrafterHead, llm_output_rows, llm_shapes, load_drafter, save_drafter,
                    tokenizer_hash)
+from .teacher_forcing import Windows, evaluate_head, llm_embedding_table, loss_fn
 from .vocab import draft_vocabulary, measure_draft_vocab
 
 
@@ -52,81 +57,7 @@ class TrainConfig:
     output: str = "draft_vocab"  # "draft_vocab" | "llm_head" (DrafterConfig.output)
     feature_loss: float = 1.0  # weight of the hidden-state regression (output="llm_head")
     init_from: Optional[str] = None  # a saved head to go on training (its weights and draft vocabulary)
-
-
-class Windows:
-    """Teacher-forcing windows over one split: for position i the tokens i..i+T and validity."""
-
-    def __init__(self, seqs: Sequences, draft_length: int):
-        self.seqs, self.T = seqs, draft_length
-        n = len(seqs.tokens)
-        ends = np.zeros(n, np.int64)
-        for a, b in zip(seqs.offsets[:-1], seqs.offsets[1:]):
-            ends[a:b] = b
-        self.ends = ends
-        # positions with at least one target inside the same answer
-        self.positions = np.nonzero(np.arange(n) + 1 < ends)[0]
-
-    def __len__(self) -> int:
-        return len(self.positions)
-
-    def batch(self, pos: np.ndarray):
-        T = self.T
-        idx = pos[:, None] + np.arange(T + 1)[None, :]  # (B, T+1)
-        valid = idx < self.ends[pos][:, None]
-        toks = self.seqs.tokens[np.minimum(idx, len(self.seqs.tokens) - 1)]
-        toks = np.where(valid, toks, 0).astype(np.int32)
-        hidden = self.seqs.hidden[pos]
-        # the LLM's hidden states that produced the targets tokens[i+1..i+T] (feature targets)
-        following = self.seqs.hidden[np.minimum(idx[:, 1:], len(self.seqs.tokens) - 1)]  # (B, T, D)
-        return (mx.array(toks), mx.array(valid), mx.array(hidden.astype(np.float32)),
-                mx.array(following.astype(np.float32)))
-
-
-def unroll_states(head: DrafterHead, embeddings: mx.array) -> mx.array:
-    """Teacher-forced RNN states. embeddings (B, T, E) of tokens i..i+T-1 -> states (B, T, E)."""
-    s = head.initial_state(embeddings[:, 0])
-    states = [s]
-    for k in range(1, embeddings.shape[1]):
-        s = head.next_state(s, embeddings[:, k])
-        states.append(s)
-    return mx.stack(states, axis=1)
-
-
-def unroll(head: DrafterHead, embeddings: mx.array, hidden: mx.array) -> mx.array:
-    """Teacher-forced draft logits. embeddings (B, T, E) of tokens i..i+T-1 -> (B, T, K)."""
-    return head.logits(unroll_states(head, embeddings), hidden[:, None, :])
-
-
-def loss_fn(head: DrafterHead, embed_table: mx.array, toks: mx.array, valid: mx.array, hidden: mx.array,
-            following: mx.array, feature_weight: float = 0.0):
-    """Mean CE over (position, draft step) pairs whose target is in the draft vocabulary, plus
-    (output="llm_head") the smooth-L1 distance of the predicted to the real next hidden states."""
-    T = toks.shape[1] - 1
-    states = unroll_states(head, embed_table[toks[:, :T]])  # (B, T, E)
-    target = head.full_to_draft[toks[:, 1:]]  # (B, T), -1 outside the draft vocabulary
-    in_answer = valid[:, 1:]
-    mask = in_answer & (target >= 0)
-    if head.config.output == "llm_head":
-        predicted = head.predict_hidden(states, hidden[:, None, :])  # (B, T, D)
-        logits = predicted @ head._output_rows.T
-    else:
-        logits = head.logits(states, hidden[:, None, :])  # (B, T, K)
-    ce = nn.losses.cross_entropy(logits, mx.maximum(target, 0), reduction="none")  # (B, T)
-    loss = (ce * mask).sum() / mx.maximum(mask.sum(), 1)
-    if head.config.output == "llm_head" and feature_weight:
-        distance = nn.losses.smooth_l1_loss(predicted, following, reduction="none").mean(axis=-1)  # (B, T)
-        loss = loss + feature_weight * (distance * in_answer).sum() / mx.maximum(in_answer.sum(), 1)
-    return loss
-
-
-def llm_embedding_table(lm) -> mx.array:
-    """The LLM's token embeddings (V, E) as float32 (dequantized if needed); frozen."""
-    embed = lm.model.model.embed_tokens
-    V = llm_shapes(lm)[2]
-    table = embed(mx.arange(V)).astype(mx.float32)
-    mx.eval(table)
-    return table
+    soft_targets: float = 0.0  # weight of the LLM's soft distribution in the token loss (0 = hard labels)
 
 
 def lr_schedule(cfg: TrainConfig, total_steps: int):
@@ -209,9 +140,9 @@ def train_head(lm, train: Sequences, cfg: TrainConfig, checkpoint_dir: Optional[
     opt.init(head.trainable_parameters())
     step = 0
     # settings that must match for a resume (a resumed run may stop elsewhere or save more often)
-    # (init_from only where set: checkpoints written before it existed still resume)
+    # (init_from and soft_targets only where set: checkpoints written before them still resume)
     same = {k: v for k, v in asdict(cfg).items() if k not in ("max_steps", "checkpoint_every", "compile")
-            and not (k == "init_from" and v is None)}
+            and not (k == "init_from" and v is None) and not (k == "soft_targets" and not v)}
     meta = {"train": same, "total_steps": total, "windows": len(windows)}
     if checkpoint_dir is not None:
         loaded = _load_checkpoint(Path(checkpoint_dir))
@@ -237,9 +168,13 @@ def train_head(lm, train: Sequences, cfg: TrainConfig, checkpoint_dir: Optional[
     masked_fraction = float((outside & tvalid).sum() / max(1, tvalid.sum()))
 
     loss_and_grad = nn.value_and_grad(head, loss_fn)
+    teacher_rows = None
+    if cfg.soft_targets:  # the LLM's own output rows of the draft vocabulary (frozen)
+        teacher_rows = head._output_rows if config.output == "llm_head" else llm_output_rows(lm, head.draft_to_full)
 
-    def train_step(toks, valid, hidden, following):
-        loss, grads = loss_and_grad(head, embed_table, toks, valid, hidden, following, cfg.feature_loss)
+    def train_step(toks, valid, hidden, following, teacher_rows=None):
+        loss, grads = loss_and_grad(head, embed_table, toks, valid, hidden, following, cfg.feature_loss,
+                                    teacher_rows, cfg.soft_targets)
         opt.update(head, grads)
         return loss
 
@@ -261,7 +196,7 @@ def train_head(lm, train: Sequences, cfg: TrainConfig, checkpoint_dir: Optional[
             if epoch_cache[0] != epoch:
                 epoch_cache = (epoch, order(epoch))
             pos = epoch_cache[1][within * cfg.batch_size:(within + 1) * cfg.batch_size]
-            loss = train_step(*windows.batch(pos))
+            loss = train_step(*windows.batch(pos), *([teacher_rows] if cfg.soft_targets else []))
             mx.eval(loss, head.state, opt.state)
             step += 1
             losses.append(loss.item())  # host sync: one per step, for the progress bar
@@ -281,49 +216,6 @@ def grown_weights(start: DrafterHead, head: DrafterHead):
     weights = {k: mx.zeros_like(v) for k, v in tree_flatten(head.parameters())}
     weights.update(tree_flatten(start.parameters()))
     return list(weights.items())
-
-
-def evaluate_head(head: DrafterHead, lm, seqs: Sequences, batch_size: int = 512,
-                  embed_table: Optional[mx.array] = None) -> Dict[str, object]:
-    """Teacher-forced top-1 accuracy per draft position on held-out answers, and chain length.
-
-    acc[k]: P(draft token k == the LLM's token) over windows with a k-th target.
-    chain (exact, teacher forced): 1 + mean number of leading correct draft tokens, over
-    windows with all T targets; product estimate: 1 + sum_k prod_{j<=k} acc[j].
-    """
-    T = head.config.draft_length
-    windows = Windows(seqs, T)
-    table = embed_table if embed_table is not None else llm_embedding_table(lm)
-    d2f = head.draft_to_full
-    correct = np.zeros(T)
-    count = np.zeros(T)
-    top4 = np.zeros(T)
-    leading = []
-    for start in range(0, len(windows), batch_size):
-        pos = windows.positions[start:start + batch_size]
-        toks, valid, hidden, _ = windows.batch(pos)
-        logits = unroll(head, table[toks[:, :T]], hidden)  # (B, T, K)
-        pred = d2f[mx.argmax(logits, axis=-1)]  # (B, T) full ids
-        top = d2f[mx.argpartition(-logits, 4, axis=-1)[..., :4]]  # (B, T, 4)
-        tgt = toks[:, 1:]
-        ok = np.array(pred == tgt)
-        ok4 = np.array((top == tgt[..., None]).any(axis=-1))
-        v = np.array(valid[:, 1:])
-        correct += (ok & v).sum(0)
-        top4 += (ok4 & v).sum(0)
-        count += v.sum(0)
-        full = v.all(axis=1)
-        lead = np.cumprod(ok, axis=1).sum(axis=1)
-        leading += list(lead[full])
-    acc = correct / np.maximum(count, 1)
-    chain_product = 1 + float(np.sum(np.cumprod(acc)))
-    return {
-        "windows": int(len(windows)),
-        "acc": [round(float(a), 4) for a in acc],
-        "top4": [round(float(a), 4) for a in top4 / np.maximum(count, 1)],
-        "chain_tokens_per_step_exact": round(1 + float(np.mean(leading)) if leading else 1.0, 4),
-        "chain_tokens_per_step_product": round(chain_product, 4),
-    }
 
 
 def run_pipeline(lm, prompts: Sequence[Path], data_dir: Path, output: Path, checkpoint_dir: Path,
