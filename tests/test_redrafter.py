@@ -346,3 +346,29 @@ def test_sampled_drafts_report_the_peak_of_their_distribution_as_confidence():
     drafts = sample_beams(head, embed, mx.random.normal((2, 64)), mx.array([5, 9]), 3, 4, 1.0,
                           key=mx.random.key(1))
     np.testing.assert_allclose(np.array(drafts.confidence), np.array(drafts.draft_probs).max(axis=-1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_a_confidence_temperature_changes_the_confidences_not_the_beams(width):
+    """config.confidence_temperature tau (fitted by benchmarks/drafter_calibration.py): beam search
+    picks the same beams, and each drafted token's confidence is softmax(logits / tau) at it."""
+    import dataclasses
+
+    from mlx_specdec.drafter.beam import beam_search
+
+    lm = make_tiny_lm(seed=3)
+    embed = lm.model.model.embed_tokens
+    plain = random_head(lm, draft_vocab=97)
+    hidden, first = mx.random.normal((2, 64), key=mx.random.key(4)), mx.array([5, 9])
+    base = beam_search(plain, embed, hidden, first, width, 4)
+    tau = 0.5
+    sharp = random_head(lm, draft_vocab=97)
+    sharp.config = dataclasses.replace(sharp.config, confidence_temperature=tau)
+    drafts = beam_search(sharp, embed, hidden, first, width, 4)
+    np.testing.assert_array_equal(np.array(drafts.beams), np.array(base.beams))
+    # the confidence of beam 0's first draft, by hand: the head's distribution after the first token
+    state = sharp.initial_state(embed(first))
+    logits = sharp.logits(state, hidden) / tau
+    want = mx.softmax(logits, axis=-1)[mx.arange(2), sharp.full_to_draft[drafts.beams[:, 0, 1]]]
+    np.testing.assert_allclose(np.array(drafts.confidence[:, 0, 0]), np.array(want), rtol=1e-5)
+    assert (np.array(drafts.confidence[:, 0, 0]) > np.array(base.confidence[:, 0, 0])).all()  # sharper

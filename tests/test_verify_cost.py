@@ -81,3 +81,26 @@ def test_redrafter_verifies_nothing_where_every_draft_costs_more_than_it_can_ret
     assert drafted == plain == want
     assert on_dear.forward_passes == len(want)  # a forward per token: nothing drafted was verified
     assert on_default.forward_passes < len(want) and off.forward_passes == on_default.forward_passes
+
+
+def test_the_margin_rule_goes_deeper_on_a_sure_step_and_cuts_a_doubtful_draft_the_ratio_keeps():
+    # Rate 1.25 tokens per unit of cost. Sure chain 0.9, 0.9, 0.3 (reach 0.9, 0.81, 0.243): the
+    # third draft adds 0.243 tokens for 0.15 more cost (T 3 -> 4: 1.32 -> 1.47): worth it by the
+    # margin (0.243 > 1.25 * 0.15), not by the step's ratio (2.953 / 1.47 < 2.71 / 1.32).
+    probs, owner = _chain([0.9, 0.9, 0.3])
+    assert worth_verifying(probs, owner, kept=4, context=150) == 3
+    assert worth_verifying(probs, owner, kept=4, context=150, rate=1.25) == 4
+    # One draft at 0.2: the ratio keeps it (1.2 / 1.18 > 1), the margin does not (0.2 < 1.25 * 0.18).
+    probs, owner = _chain([0.2])
+    assert worth_verifying(probs, owner, kept=2, context=150) == 2
+    assert worth_verifying(probs, owner, kept=2, context=150, rate=1.25) == 1
+
+
+def test_the_rate_meter_is_tokens_over_predicted_cost_from_its_prior():
+    from mlx_specdec.drafting.verify_cost import RateMeter
+
+    meter = RateMeter()
+    assert meter.rate == pytest.approx(RateMeter.PRIOR_RATE)
+    meter.add(3.0, step_tokens=3, context=150)  # 3 tokens for a 3-token verify (1.32)
+    want = (RateMeter.PRIOR_RATE * RateMeter.PRIOR_COST + 3.0) / (RateMeter.PRIOR_COST + verify_cost(3, 150))
+    assert meter.rate == pytest.approx(want)

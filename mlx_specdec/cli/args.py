@@ -35,6 +35,12 @@ def _on_off(value: str, flag: str) -> bool:
     return value.strip().lower() == "on"
 
 
+def _verify_cost_rule(text: str, flag: str):
+    """on / off (bool) or "margin"."""
+    rule = _choice(text, flag, ("on", "off", "margin"))
+    return rule if rule == "margin" else rule == "on"
+
+
 def _choice(text: str, flag: str, choices) -> str:
     if text.strip().lower() not in choices:
         raise UserError(f"{flag} is {' or '.join(choices)}, not {text!r}")
@@ -98,7 +104,9 @@ METHOD_SETTINGS = [
     ("redrafter", "verify_cost", "--verify-cost",
      "on = of the drafts the cutoff keeps, verify only as deep as they are worth at this context "
      "length's measured verify cost (the CPU's table; a long document makes each verified token dearer); "
-     "off = every draft the cutoff keeps (default: on; off on a GPU and with --draft-cutoff 0)", _on_off),
+     "off = every draft the cutoff keeps; margin = as on, but a draft is worth verifying when its "
+     "expected tokens beat the answer's own tokens per unit of cost so far times what it adds to the cost "
+     "(default: on; off on a GPU and with --draft-cutoff 0)", _verify_cost_rule),
     ("apar", "max_threads", "--max-threads", "most live threads per answer (default: 32)", _positive_int),
     ("apar", "max_depth", "--max-depth", "deepest fork, 0 = never fork (default: 2)", _nonnegative_int),
     ("apar", "fork_probe", "--fork-probe",

@@ -45,7 +45,7 @@ from ..drafting import HeadProposer, Proposal, select_rows
 from ..drafting.calibration import DraftTrust
 from ..drafting.base import read_host as _read
 from ..drafting.lookup import LookupFirst
-from ..drafting.verify_cost import costs_measured, worth_verifying
+from ..drafting.verify_cost import RateMeter, costs_measured, worth_verifying
 from ..errors import UserError
 from ..model.forward import forward
 from .base import DecodeContext, Step, new_contiguous_cache, prefill_rows
@@ -81,7 +81,9 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     use_trust = bool(ctx.params.options.get("draft_trust", DEFAULT_DRAFT_TRUST))
     lookup_drafts = int(ctx.params.options.get("lookup", DEFAULT_LOOKUP))
     # A cutoff of 0 asks for every draft: no cost judges them either.
-    cost_aware = bool(ctx.params.options.get("verify_cost", DEFAULT_VERIFY_COST)) and costs_measured() and cutoff > 0
+    cost_rule = ctx.params.options.get("verify_cost", DEFAULT_VERIFY_COST)  # True, False or "margin"
+    cost_aware = bool(cost_rule) and costs_measured() and cutoff > 0
+    meter = RateMeter() if cost_aware and cost_rule == "margin" else None
     if width < 1 or length < 2:
         raise UserError("redrafter needs --beam-width >= 1 and --beam-length >= 2")
     if not 0.0 <= cutoff <= 1.0:
@@ -173,7 +175,8 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
                               trust.calibrated(confidence)) if use_trust else confidence
             step_length = kept_length(judged, cutoff)
             if cost_aware:  # ... and no deeper than the drafts are worth at this context's verify cost
-                step_length = worth_verifying(judged, owner, step_length, int(lengths.max()))
+                step_length = worth_verifying(judged, owner, step_length, int(lengths.max()),
+                                              rate=meter.rate if meter is not None else None)
             drafted_beams, drafted_confidence = beams, confidence  # before the cut: judged after the step
             beams, owner = beams[:, :, :step_length], owner[:, :, :step_length]
             step_drafts = drafts if drafts.draft_probs is None else \
@@ -238,6 +241,8 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
                 new_valid[b, : accepted[b] + 1] = True
             valid = np.concatenate([valid, new_valid], axis=1)
             lengths = lengths + accepted + 1
+            if meter is not None:
+                meter.add(float(accepted.mean()) + 1, n, int(lengths.max()))
             stats.forward_passes += 1
             new_tokens = []
             tally["lookup_steps"] += int(from_lookup.sum())

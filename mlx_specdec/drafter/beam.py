@@ -25,7 +25,7 @@ class Drafts(NamedTuple):
     beams: mx.array  # (B, W, L) int32 token ids; [:, :, 0] is the target's own token
     draft_probs: mx.array | None  # (B, W, L-1, K) draft-vocab distribution of each drafted token
     # (B, W, L-1) how likely each drafted position is, for the draft cutoff. Beam search: the head's
-    # probability of the drafted token. Sampled chains: the largest probability of the distribution
+    # probability of the drafted token (at its config's confidence_temperature). Sampled chains: the largest probability of the distribution
     # the token was drawn from, which does not depend on the token drawn (see `sample_beams`).
     confidence: mx.array | None = None
 
@@ -50,6 +50,7 @@ def beam_search(head, embed: Embed, hidden: mx.array, first_token: mx.array, wid
     state, hidden, beams = _start(head, embed, hidden, first_token, width)
     scores = mx.broadcast_to(mx.array([0.0] + [-1e9] * (width - 1)), (B, width))  # (B, W)
     steps = mx.zeros((B, width, 0))  # (B, W, j) each beam's per-token log-probabilities so far
+    tau = head.config.confidence_temperature  # the confidences only: beams are chosen at tau 1
     for _ in range(length - 1):
         logits = head.logits(state, hidden).astype(mx.float32)  # (B, W, K)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -63,6 +64,10 @@ def beam_search(head, embed: Embed, hidden: mx.array, first_token: mx.array, wid
         parent, draft_token = top // K, top % K  # (B, W)
         new_scores = mx.take_along_axis(candidates, top, axis=-1)
         step = new_scores - mx.take_along_axis(scores, parent, axis=-1)  # (B, W) the new token's log-prob
+        if tau != 1.0:  # its log-prob at the head's calibrated temperature instead
+            sharp = logits / tau
+            sharp = (sharp - mx.logsumexp(sharp, axis=-1, keepdims=True)).reshape(B, width * K)
+            step = mx.take_along_axis(sharp, top, axis=-1)  # (B, W)
         steps = mx.concatenate([mx.take_along_axis(steps, parent[..., None], axis=1), step[..., None]], axis=-1)
         scores = new_scores
         token = head.draft_to_full[draft_token]  # (B, W) full-vocabulary ids

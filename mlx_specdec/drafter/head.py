@@ -55,6 +55,11 @@ class DrafterConfig:
     model_name: str = ""
     tokenizer_hash: str = ""
     output: str = "draft_vocab"  # "draft_vocab" | "llm_head" (see the module docstring)
+    # Greedy drafting's confidence is softmax(logits / this)[drafted token]: fitted on held-out
+    # answers so it is the chance the target's own token is the drafted one (benchmarks/
+    # drafter_calibration.py). 1 for a head trained on hard labels; below 1 sharpens a head trained
+    # on the LLM's soft distribution, whose probabilities are the LLM's, not greedy acceptance's.
+    confidence_temperature: float = 1.0
 
     @property
     def width(self) -> int:

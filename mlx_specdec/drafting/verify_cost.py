@@ -11,6 +11,9 @@ So after the cutoff, each step verifies the depth k (0 = a plain step) that maxi
 
     expected tokens / cost = sum_b (1 + sum_{j<=k} max_w prod_{i<=j} p[b,w,i]) / cost(T(k), context)
 
+(or, `--verify-cost margin`, the expected tokens minus rate * B * cost, rate the tokens per unit of
+cost the answer has got so far: `RateMeter`)
+
     p[b,w,i]  the calibrated probability of draft i of beam w (the head's probability times its
               trust, or a lookup's measured per-depth acceptance times the lookup's trust)
     T(k)      query tokens the packed tree holds up to depth k (the widest row's)
@@ -63,10 +66,13 @@ def costs_measured() -> bool:
     return on_cpu()
 
 
-def worth_verifying(probs: np.ndarray, owner: np.ndarray, kept: int, context: int) -> int:
+def worth_verifying(probs: np.ndarray, owner: np.ndarray, kept: int, context: int,
+                    rate: float | None = None) -> int:
     """probs (B, W, L-1): calibrated draft probabilities; owner (B, W, L): `dedup_prefix`'s first
     beam with each prefix; kept: the step length the cutoff allows. -> the step length (1 + drafts)
-    in 1..kept with the most expected tokens per unit of verify cost."""
+    in 1..kept with the most expected tokens per unit of verify cost; with `rate` (tokens a row
+    gets per unit of cost over the answer so far, `RateMeter`), the most expected tokens beyond
+    what that cost buys at that rate (the "margin" rule below)."""
     if kept <= 1:
         return kept
     B, W = probs.shape[:2]
@@ -74,9 +80,35 @@ def worth_verifying(probs: np.ndarray, owner: np.ndarray, kept: int, context: in
     new_prefix = owner[:, :, :kept] == np.arange(W)[None, :, None]  # (B, W, kept): a packed token each
     tree_tokens = np.cumsum(new_prefix.sum(axis=1), axis=-1).max(axis=0)  # (kept,) T(k), widest row
     per_t = _costs_at(context)  # once a step: the row for this context
+    if rate is not None:
+        return 1 + int(np.argmax([B + reach[:, :k].sum() - rate * B * _cost(per_t, int(tree_tokens[k]))
+                                  for k in range(kept)]))
     best, best_rate = 1, B / _cost(per_t, int(tree_tokens[0]))
     for k in range(1, kept):
-        rate = (B + reach[:, :k].sum()) / _cost(per_t, int(tree_tokens[k]))
-        if rate > best_rate:
-            best, best_rate = k + 1, rate
+        step_rate = (B + reach[:, :k].sum()) / _cost(per_t, int(tree_tokens[k]))
+        if step_rate > best_rate:
+            best, best_rate = k + 1, step_rate
     return best
+
+
+class RateMeter:
+    """Tokens a row has got per unit of verify cost so far in this answer (the "margin" rule's
+    rate), from a prior of PRIOR_RATE over PRIOR_COST units so the first steps have one.
+
+    Why a rate and not the step's own ratio: the long-run speed is total tokens / total cost, and
+    a step raises it by verifying one more draft exactly when that draft's expected tokens exceed
+    the rate times its extra cost (Dinkelbach). The per-step ratio stops a sure step too early
+    (its own ratio is above the rate) and lets a doubtful one verify at a ratio below it."""
+
+    PRIOR_RATE, PRIOR_COST = 1.2, 5.0
+
+    def __init__(self):
+        self.tokens, self.cost = self.PRIOR_RATE * self.PRIOR_COST, self.PRIOR_COST
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.cost
+
+    def add(self, tokens_per_row: float, step_tokens: int, context: int) -> None:
+        self.tokens += tokens_per_row
+        self.cost += verify_cost(step_tokens, context)
