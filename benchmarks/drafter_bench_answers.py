@@ -14,12 +14,12 @@ bench run per head (and without its run-to-run noise).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import mlx_specdec  # noqa: F401  (first: picks the system BLAS before mlx.core loads)
 import numpy as np
 
+from mlx_specdec.bench_prompts import load_prompts
 from mlx_specdec.drafter.data import Sequences, batched_greedy
 from mlx_specdec.drafter.head import load_drafter
 from mlx_specdec.drafter.teacher_forcing import evaluate_head
@@ -29,8 +29,9 @@ BENCH_FILES = ("benchmarks/prompts.jsonl", "benchmarks/chat_unseen.jsonl")
 
 
 def bench_answers(lm, files, max_tokens: int, batch: int = 32) -> Sequences:
-    rows = [json.loads(line) for f in files for line in Path(f).read_text().splitlines() if line.strip()]
-    prompts = [lm.encode_chat([{"role": "user", "content": r["turns"][0]}]) for r in rows]
+    """The model's greedy answers to the prompt files, read and encoded as `bench` does."""
+    texts = [p.text for f in files for p in load_prompts(Path(f))]
+    prompts = [lm.encode_prompt(text, chat=True) for text in texts]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # batches pad little
     answers = []
     for start in range(0, len(order), batch):

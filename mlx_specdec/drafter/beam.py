@@ -25,8 +25,9 @@ class Drafts(NamedTuple):
     beams: mx.array  # (B, W, L) int32 token ids; [:, :, 0] is the target's own token
     draft_probs: mx.array | None  # (B, W, L-1, K) draft-vocab distribution of each drafted token
     # (B, W, L-1) how likely each drafted position is, for the draft cutoff. Beam search: the head's
-    # probability of the drafted token (at its config's confidence_temperature). Sampled chains: the largest probability of the distribution
-    # the token was drawn from, which does not depend on the token drawn (see `sample_beams`).
+    # probability of the drafted token (at its config's confidence_temperature). Sampled chains: the
+    # largest probability of the distribution the token was drawn from, which does not depend on the
+    # token drawn (see `sample_beams`).
     confidence: mx.array | None = None
 
 

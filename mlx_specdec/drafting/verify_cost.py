@@ -11,13 +11,13 @@ So after the cutoff, each step verifies the depth k (0 = a plain step) that maxi
 
     expected tokens / cost = sum_b (1 + sum_{j<=k} max_w prod_{i<=j} p[b,w,i]) / cost(T(k), context)
 
-(or, `--verify-cost margin`, the expected tokens minus rate * B * cost, rate the tokens per unit of
-cost the answer has got so far: `RateMeter`)
-
     p[b,w,i]  the calibrated probability of draft i of beam w (the head's probability times its
               trust, or a lookup's measured per-depth acceptance times the lookup's trust)
     T(k)      query tokens the packed tree holds up to depth k (the widest row's)
     cost      a T-token forward after `context` tokens as a multiple of a one-token one
+
+or, with `--verify-cost margin`, the depth with the most expected tokens minus rate * B * cost,
+rate = the tokens per unit of cost the answer has got so far (`RateMeter`).
 
 Speed only: the depth is chosen from confidences that do not depend on the drawn tokens (as the
 cutoff is), so greedy output stays the target's and sampling stays exact.
