@@ -92,8 +92,11 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     embed = model.model.embed_tokens
     greedy = params.greedy
     eos = ctx.lm.eos_token_ids
+    # Greedy chains are drafted one depth at a time, only as deep as the cutoff lets a step verify
+    # (drafting/head.py); with no cutoff every draft is verified, so all are made in one graph.
+    stepwise = bool(ctx.params.options.get("stepwise_draft", True)) and cutoff > 0
     proposer = HeadProposer(head, embed, width, length, vocab=int(model.args.vocab_size),
-                            temperature=0.0 if greedy else params.temperature)
+                            temperature=0.0 if greedy else params.temperature, stepwise=stepwise)
     lookup = LookupFirst(lookup_drafts, vocab=int(model.args.vocab_size)) if lookup_drafts > 0 else None
 
     def own_token(logits: mx.array) -> mx.array:  # (B, V) -> (B,) the target's own choice
@@ -112,6 +115,27 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     timings = dict.fromkeys(PHASES, 0.0)
     per_position = np.zeros(length - 1, dtype=np.int64)  # row-steps that accepted >= k+1 drafts
     tally = {"steps": 0, "before": 0, "after": 0, "lookup_steps": 0, "lookup_accepted": 0}
+
+    def deepen(drafts: Proposal, beams, owner, confidence, from_lookup):
+        """Stepwise chains: the head's rows drafted as deep as the next step can verify, the
+        deepest `kept_length` of any row with the rows' current trust (a row is verified as deep as
+        the batch's deepest kept row, so its drafts are made that deep too); as read otherwise."""
+        if not proposer.stepwise or from_lookup.all():
+            return drafts, beams, owner, confidence
+        head_rows = ~from_lookup
+        lookup_judged = lookup_trust.calibrated(confidence) if use_trust else confidence
+        lookup_kept = kept_length(lookup_judged[from_lookup], cutoff) - 1 if from_lookup.any() else 0
+
+        def wanted(so_far: np.ndarray) -> bool:  # (B, 1, k): the head's drafts so far
+            judged = trust.calibrated(so_far) if use_trust else so_far
+            return so_far.shape[-1] < lookup_kept or bool((np.all(judged >= cutoff, axis=-1)[:, 0] & head_rows).any())
+
+        deeper, deeper_confidence = proposer.extend(beams, confidence, head_rows, wanted)
+        if deeper is beams:
+            return drafts, beams, owner, confidence
+        owner = np.zeros_like(deeper)  # one chain per row: every prefix its own (dedup_prefix's answer)
+        return (Proposal(mx.array(deeper), mx.array(owner), None, mx.array(deeper_confidence)),
+                deeper, owner, deeper_confidence)
 
     def mark(name: str, since: float, *arrays) -> float:
         """Profile mode only: a deliberate extra sync per phase, to attribute time to it."""
@@ -155,6 +179,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
             beams, owner, confidence = _read(drafts.beams, drafts.owner, drafts.confidence)  # host sync: the first drafts
         else:
             drafts, beams, owner, confidence, from_lookup = lookup.draft(drafts, first)
+        drafts, beams, owner, confidence = deepen(drafts, beams, owner, confidence, from_lookup)
     try:
         while rows:
             if keep is not None:  # some rows finished: they leave the batch
@@ -254,9 +279,11 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
                 new_tokens.append([int(t) for t in beams[b, best[b], 1 : accepted[b] + 1]] + [int(token[b])])
             emitted += accepted + 1
             _report(stats, width, length, tally, per_position, timings, profile, trust)
-            beams, owner, confidence = next_beams, next_owner, next_confidence
             if lookup is not None:
                 from_lookup = next_from_lookup
+            t0 = time.perf_counter()
+            drafts, beams, owner, confidence = deepen(drafts, next_beams, next_owner, next_confidence, from_lookup)
+            mark("draft_s", t0)
             for b, thread in enumerate(rows):
                 yield Step(new_tokens[b], thread_id=thread, drafted=step_length - 1, accepted=int(accepted[b]))
             rows, keep = _drop_finished(rows, new_tokens, emitted, eos, params.max_tokens, ctx.stopped_rows)

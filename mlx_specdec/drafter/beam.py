@@ -96,6 +96,43 @@ def compiled_beam_search(head, embed: Embed, width: int, length: int):
     return _COMPILED[key]
 
 
+def greedy_chain_step(head, state: mx.array, hidden: mx.array, score: mx.array):
+    """One depth of `beam_search` at W=1, written with its ops so the numbers are the same.
+
+    state (B, E), hidden (B, D), score (B,) the chain's log-probability so far -> the drafted
+    token (B,) in the full vocabulary, the new score, and the token's confidence (B,)."""
+    logits = head.logits(state, hidden).astype(mx.float32)  # (B, K)
+    candidates = score[:, None] + (logits - mx.logsumexp(logits, axis=-1, keepdims=True))  # (B, K)
+    top = mx.argmax(candidates, axis=-1, keepdims=True)  # (B, 1)
+    new_score = mx.take_along_axis(candidates, top, axis=-1)[:, 0]
+    step = new_score - score  # (B,) as beam_search takes the token's log-prob
+    tau = head.config.confidence_temperature
+    if tau != 1.0:
+        sharp = logits / tau
+        step = mx.take_along_axis(sharp - mx.logsumexp(sharp, axis=-1, keepdims=True), top, axis=-1)[:, 0]
+    return head.draft_to_full[top[:, 0]], new_score, mx.exp(step)
+
+
+def compiled_chain(head, embed: Embed):
+    """The greedy W=1 chain one depth per call, for drafting only as deep as a step can verify
+    (`drafting.head.HeadProposer` stepwise): (first, deeper), each compiled once per head.
+
+    first(hidden (B, D), token (B,)) -> state, draft (B,), score, confidence: depth 1
+    deeper(state, hidden, draft, score) -> the same one depth further"""
+    key = (id(head), id(embed), "chain")
+    if key not in _COMPILED:
+        def first(hidden, token):
+            state = head.initial_state(embed(token))  # (B, E)
+            return (state,) + greedy_chain_step(head, state, hidden, mx.zeros(token.shape, dtype=mx.float32))
+
+        def deeper(state, hidden, draft, score):
+            state = head.next_state(state, embed(draft))
+            return (state,) + greedy_chain_step(head, state, hidden, score)
+
+        _COMPILED[key] = (mx.compile(first), mx.compile(deeper))
+    return _COMPILED[key]
+
+
 def sample_beams(head, embed: Embed, hidden: mx.array, first_token: mx.array, width: int, length: int,
                  temperature: float, key: mx.array | None = None) -> Drafts:
     """W independent draft chains sampled from the head at `temperature` (sampling mode: the

@@ -4,33 +4,83 @@ from the RNN head on the target's last hidden state (`drafter/head.py`, `drafter
 The head's state is rebuilt every step from the target's hidden state after the last accepted
 token, so there is nothing to commit or roll back. Both draft kinds are lazy MLX graphs: the
 caller builds the next step's drafts before its one host sync.
+
+Stepwise (greedy, one chain): `propose` builds the first draft only and `extend` drafts deeper
+one depth at a time, each behind a host sync, while the caller's test says a step could still
+verify that deep. Each depth costs a vocabulary projection (the LLM's 8,192 output rows, ~2.5-3.5 ms
+on the 2-core CPU), and most steps verify fewer drafts than the head can make: the cutoff cuts a
+chain at its first doubtful draft, so the drafts after it need not exist. Same drafts, same
+confidences (the same ops as `beam_search`), so the same trees are verified.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 
-from ..drafter.beam import compiled_beam_search, dedup_prefix, sample_beams
-from .base import Proposal
+from ..drafter.beam import compiled_beam_search, compiled_chain, dedup_prefix, sample_beams
+from .base import Proposal, read_host
 
 
 class HeadProposer:
-    def __init__(self, head, embed, width: int, length: int, vocab: int, temperature: float = 0.0):
-        """vocab: the target's vocabulary size (the width of the draft distributions it checks)."""
+    def __init__(self, head, embed, width: int, length: int, vocab: int, temperature: float = 0.0,
+                 stepwise: bool = False):
+        """vocab: the target's vocabulary size (the width of the draft distributions it checks).
+        stepwise: greedy single chains only (ignored otherwise): see the module docstring."""
         self.head, self.embed, self.vocab = head, embed, vocab
         self.width, self.length, self.temperature = width, length, temperature
+        self.stepwise = stepwise and temperature <= 0 and width == 1 and length > 2
         self._search = compiled_beam_search(head, embed, width, length) if temperature <= 0 else None
+        self._chain = compiled_chain(head, embed) if self.stepwise else None
+        self._pending = None  # stepwise: (state, hidden, draft, score) of the deepest draft made
 
     def propose(self, token: mx.array, hidden: Optional[mx.array]) -> Proposal:
         """token (B,): the target's own latest token; hidden (B, D): the state that produced it."""
+        if self.stepwise:  # the first draft only: `extend` goes deeper
+            state, draft, score, confidence = self._chain[0](hidden, token)
+            self._pending = (state, hidden, draft, score)
+            beams = mx.stack([token.astype(mx.int32), draft.astype(mx.int32)], axis=-1)[:, None, :]  # (B, 1, 2)
+            return Proposal(beams, mx.zeros(beams.shape, dtype=mx.int32), None, confidence[:, None, None])
         if self._search is not None:
             beams, owner, confidence = self._search(hidden, token)
             return Proposal(beams, owner, None, confidence)
         drafts = sample_beams(self.head, self.embed, hidden, token, self.width, self.length, self.temperature)
         return Proposal(drafts.beams, dedup_prefix(drafts.beams), self._full_vocab(drafts.draft_probs),
                         drafts.confidence)
+
+    def extend(self, beams: np.ndarray, confidence: np.ndarray, rows: np.ndarray,
+               wanted: Callable[[np.ndarray], bool]):
+        """Stepwise: deepen the chains of the last `propose`, on the host.
+
+        beams (B, 1, L0), confidence (B, 1, L0-1): the step's drafts as read, the head's first
+        draft at depth 1 in the `rows` (B,) bool that are the head's (others: a lookup's, kept);
+        wanted(confidence (B, 1, k)): whether a step could verify past the k drafts so far.
+        -> the same with the head's rows as deep as wanted (<= length - 1 drafts), every row
+        padded to the new length with its last token at confidence 0 (never verified)."""
+        head_beams, head_conf = beams[:, :, :2], confidence[:, :, :1]
+        state, hidden, draft, score = self._pending
+        while head_conf.shape[-1] < self.length - 1 and wanted(head_conf):
+            state, draft, score, step_conf = self._chain[1](state, hidden, draft, score)
+            # Host sync: one depth deeper, only when a draft the step may verify leads to it.
+            token, conf = read_host(draft, step_conf)
+            head_beams = np.concatenate([head_beams, token[:, None, None].astype(beams.dtype)], axis=-1)
+            head_conf = np.concatenate([head_conf, conf[:, None, None].astype(confidence.dtype)], axis=-1)
+        self._pending = (state, hidden, draft, score)
+        depth = head_conf.shape[-1]
+        if depth == 1:
+            return beams, confidence
+        length = max(beams.shape[-1], depth + 1)
+        out_beams = np.repeat(beams[:, :, -1:], length, axis=-1)  # padding: the last token ...
+        out_conf = np.zeros(beams.shape[:2] + (length - 1,), dtype=confidence.dtype)  # ... never verified
+        out_beams[:, :, : beams.shape[-1]] = beams
+        out_conf[:, :, : confidence.shape[-1]] = confidence
+        out_beams[rows] = np.repeat(head_beams[rows][:, :, -1:], length, axis=-1)
+        out_beams[rows, :, : depth + 1] = head_beams[rows]
+        out_conf[rows] = 0.0
+        out_conf[rows, :, :depth] = head_conf[rows]
+        return out_beams, out_conf
 
     def _full_vocab(self, draft_probs: mx.array) -> mx.array:
         """(B, W, L-1, K) draft-vocabulary distribution -> (B, W, L-1, V), zero outside it."""
