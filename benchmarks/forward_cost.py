@@ -4,7 +4,8 @@
     python benchmarks/forward_cost.py --one-row --context 150,2000,6000 --tokens 1,2,3,4,5 --repeats 7
     python benchmarks/forward_cost.py --layout --context 150 --tokens 1,2,3,5,8
 
-The second form prints ReDrafter's verify-cost table (drafting/verify_cost.py's CPU_COST): one row
+The second form prints ReDrafter's verify-cost table (drafting/verify_cost.py's CPU_COST; `mlx-specdec
+calibrate` measures and stores the same for the machine it runs on): one row
 of T tokens, as a multiple of one token, per context length. The third compares the float32 weights
 as the engine lays them out on the CPU (column-major, model/cpu_layout.py) with the same weights
 made row-major afterwards, in one process.
@@ -23,25 +24,13 @@ import mlx_specdec  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
 import numpy as np
 
-from roofline import median_ms
 
 from mlx_specdec import masks
 from mlx_specdec.cache import ContiguousKVCache
+from mlx_specdec.drafting.cost_probe import median_ms, prefilled
 from mlx_specdec.engine import Engine
 from mlx_specdec.model.cpu_layout import LAID_OUT, is_column_major
 from mlx_specdec.model.forward import forward
-
-
-PREFILL_CHUNK = 1024  # as the engine prefills: one 6K-token forward would hold 9 x 6K x 6K scores per layer
-
-
-def prefilled(model, rows: int, context: int) -> ContiguousKVCache:
-    cache = ContiguousKVCache.for_model(model)
-    prompt = mx.array([[1000 + (i * 7 + r) % 5000 for i in range(context)] for r in range(rows)])
-    for start in range(0, context, PREFILL_CHUNK):
-        forward(model, prompt[:, start:start + PREFILL_CHUNK], cache, logits_for="none")
-        mx.eval(cache.state)
-    return cache
 
 
 def forward_ms(model, rows: int, tokens: int, context: int, repeats: int, tree_mask: bool = False,

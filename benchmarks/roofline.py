@@ -7,25 +7,14 @@ the measured time of (a) the weight matrix-vector products alone, as one MLX gra
 forward of one token with our engine, (c) mlx-lm's model call, all medians over repeats.
 """
 
-import time
-
 import mlx_specdec  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
 import numpy as np
 
 from mlx_specdec.cache import ContiguousKVCache
+from mlx_specdec.drafting.cost_probe import median_ms
 from mlx_specdec.engine import Engine
 from mlx_specdec.model.forward import forward
-
-
-def median_ms(fn, repeats=15, warmup=3):
-    times = []
-    for i in range(repeats + warmup):
-        start = time.perf_counter()
-        fn()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return 1000 * float(np.median(times))
 
 
 def main():

@@ -119,6 +119,15 @@ class Engine:
             self._resources["drafter"] = self._load_head(self.drafter_spec)
         return self._resources["drafter"]
 
+    @property
+    def verify_costs(self):
+        """ReDrafter's verify-cost table for this model here (drafting/cost_probe.py), read once."""
+        if "verify_costs" not in self._resources:
+            from .drafting.cost_probe import cost_table_for
+
+            self._resources["verify_costs"] = cost_table_for(self.lm)
+        return self._resources["verify_costs"]
+
     def drafter_for(self, spec: Optional[str]):
         """A head by directory (bench compares several: `--drafter A,B`), loaded once; None or
         the engine's own spec: the engine's head."""
@@ -156,6 +165,7 @@ class Engine:
             resources["prefix_store"] = self.prefix_store
         if method == "redrafter":
             resources["drafter"] = self.drafter_for(params.options.get("drafter") if params else None)
+            resources["verify_costs"] = self.verify_costs
         if method == "triforce":  # for --bottom redrafter / model
             resources.update(drafter=self.drafter, draft_model=self.draft_model)
         return resources

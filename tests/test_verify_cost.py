@@ -59,23 +59,20 @@ def test_the_cost_counts_the_packed_tree_tokens_of_the_widest_row():
     assert worth_verifying(probs, owner, kept=2, context=6000) == 1  # 1.3 for 1.45: a plain step
 
 
-def test_redrafter_verifies_nothing_where_every_draft_costs_more_than_it_can_return(monkeypatch):
+def test_redrafter_verifies_nothing_where_every_draft_costs_more_than_it_can_return():
     """With a table where one more query token costs 10 plain steps, every step is a plain step:
     one forward per token, output still plain decoding's; with the rule off the same drafts are verified."""
-    import sys
-
-    from mlx_specdec.drafting import verify_cost as module
+    from mlx_specdec.drafting.verify_cost import CostTable, shipped_table
     from conftest import make_tiny_lm
     from test_redrafter import PROMPTS, engine_with, oracle_head, run
 
-    # the table is the CPU's: on a GPU the rule is off, so this test makes it hold there too
-    monkeypatch.setattr(sys.modules["mlx_specdec.decoding.redrafter"], "costs_measured", lambda: True)
     lm = make_tiny_lm(seed=1)
     engine = engine_with(lm, oracle_head(lm, PROMPTS[:1], corrupt=0.0))
+    engine._resources["verify_costs"] = shipped_table()  # on any device, whatever `calibrate` stored here
     want, _ = run(engine, PROMPTS[0], "ar", max_tokens=24)
     options = {"lookup": 0, "draft_cutoff": 0.01}
     drafted, on_default = run(engine, PROMPTS[0], "redrafter", max_tokens=24, options=options)
-    monkeypatch.setattr(module, "CPU_COST", np.array([[1.0, 11.0, 21.0, 31.0, 41.0]] * 3))
+    engine._resources["verify_costs"] = CostTable(CPU_CONTEXTS, np.array([[1.0, 11.0, 21.0, 31.0, 41.0]] * 3), "dear")
     plain, on_dear = run(engine, PROMPTS[0], "redrafter", max_tokens=24, options=options)
     _, off = run(engine, PROMPTS[0], "redrafter", max_tokens=24, options={**options, "verify_cost": False})
     assert drafted == plain == want

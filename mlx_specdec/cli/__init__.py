@@ -1,4 +1,4 @@
-"""`mlx-specdec`: generate, chat, serve, bench, train-drafter, convert, quantize, fetch.
+"""`mlx-specdec`: generate, chat, serve, bench, calibrate, train-drafter, convert, quantize, fetch.
 
 Errors a user can cause end in one line on stderr and exit status 1; Ctrl-C exits 130.
 
@@ -14,10 +14,10 @@ from typing import List, Optional
 import mlx_specdec  # noqa: F401  (preloads BLAS before any mlx import)
 
 from ..errors import run_guarded
-from . import bench, chat, generate, models, serve, train
+from . import bench, calibrate, chat, generate, models, serve, train
 
-#: generate, chat, serve, bench, train-drafter, train-apar, train-fork-probe, convert, fetch, quantize
-COMMANDS = (generate, chat, serve, bench, train, models)
+#: generate, chat, serve, bench, calibrate, train-drafter, train-apar, train-fork-probe, convert, fetch, quantize
+COMMANDS = (generate, chat, serve, bench, calibrate, train, models)
 
 
 def build_parser() -> argparse.ArgumentParser:

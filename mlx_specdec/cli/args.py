@@ -103,10 +103,11 @@ METHOD_SETTINGS = [
      "0 = the head only (default: 4)", _nonnegative_int),
     ("redrafter", "verify_cost", "--verify-cost",
      "on = of the drafts the cutoff keeps, verify only as deep as they are worth at this context "
-     "length's measured verify cost (the CPU's table; a long document makes each verified token dearer); "
+     "length's measured verify cost (this machine's table from `mlx-specdec calibrate`, else one shipped "
+     "from a 2-core CPU; a long document makes each verified token dearer); "
      "off = every draft the cutoff keeps; margin = as on, but a draft is worth verifying when its "
      "expected tokens beat the answer's own tokens per unit of cost so far times what it adds to the cost "
-     "(default: on; off on a GPU and with --draft-cutoff 0)", _verify_cost_rule),
+     "(default: on; off with --draft-cutoff 0 and on a GPU not calibrated)", _verify_cost_rule),
     ("apar", "max_threads", "--max-threads", "most live threads per answer (default: 32)", _positive_int),
     ("apar", "max_depth", "--max-depth", "deepest fork, 0 = never fork (default: 2)", _nonnegative_int),
     ("apar", "fork_probe", "--fork-probe",

@@ -45,7 +45,7 @@ from ..drafting import HeadProposer, Proposal, select_rows
 from ..drafting.calibration import DraftTrust
 from ..drafting.base import read_host as _read
 from ..drafting.lookup import LookupFirst
-from ..drafting.verify_cost import RateMeter, costs_measured, worth_verifying
+from ..drafting.verify_cost import RateMeter, worth_verifying
 from ..errors import UserError
 from ..model.forward import forward
 from .base import DecodeContext, Step, new_contiguous_cache, prefill_rows
@@ -82,8 +82,10 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     lookup_drafts = int(ctx.params.options.get("lookup", DEFAULT_LOOKUP))
     # A cutoff of 0 asks for every draft: no cost judges them either.
     cost_rule = ctx.params.options.get("verify_cost", DEFAULT_VERIFY_COST)  # True, False or "margin"
-    cost_aware = bool(cost_rule) and costs_measured() and cutoff > 0
-    meter = RateMeter() if cost_aware and cost_rule == "margin" else None
+    # This machine's verify-cost table (`mlx-specdec calibrate`), the shipped one on a CPU, or none.
+    cost_table = ctx.resources.get("verify_costs")
+    cost_aware = bool(cost_rule) and cost_table is not None and cutoff > 0
+    meter = RateMeter(cost_table) if cost_aware and cost_rule == "margin" else None
     if width < 1 or length < 2:
         raise UserError("redrafter needs --beam-width >= 1 and --beam-length >= 2")
     if not 0.0 <= cutoff <= 1.0:
@@ -201,7 +203,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
             step_length = kept_length(judged, cutoff)
             if cost_aware:  # ... and no deeper than the drafts are worth at this context's verify cost
                 step_length = worth_verifying(judged, owner, step_length, int(lengths.max()),
-                                              rate=meter.rate if meter is not None else None)
+                                              rate=meter.rate if meter is not None else None, table=cost_table)
             drafted_beams, drafted_confidence = beams, confidence  # before the cut: judged after the step
             beams, owner = beams[:, :, :step_length], owner[:, :, :step_length]
             step_drafts = drafts if drafts.draft_probs is None else \

@@ -22,15 +22,17 @@ rate = the tokens per unit of cost the answer has got so far (`RateMeter`).
 Speed only: the depth is chosen from confidences that do not depend on the drawn tokens (as the
 cutoff is), so greedy output stays the target's and sampling stays exact.
 
-The table is this CPU's. On a GPU (Metal or CUDA) a few more query tokens cost little and the
-costs have not been measured at length here, so there every draft the cutoff keeps is verified.
+The table is the machine's own when `mlx-specdec calibrate` has measured it there for this model
+(drafting/cost_probe.py; machines differ: a 2-core VM where a 5-token verify cost 1.60 plain steps,
+another where it cost 1.21). Without one, the CPU uses the shipped table below; a GPU (Metal or
+CUDA), where a few more query tokens cost little, verifies every draft the cutoff keeps.
 """
 
 from __future__ import annotations
 
-import numpy as np
+from typing import NamedTuple, Optional
 
-from ..model.device import on_cpu
+import numpy as np
 
 # `python benchmarks/forward_cost.py --one-row --context 150,2000,6000 --tokens 1,2,3,4,5 --repeats 15`
 # (benchmarks/results/issue18_verify_cost.md): the default model in float32 on the 2-core CPU, weights
@@ -44,15 +46,26 @@ CPU_COST = np.array([  # T = 1 .. 5
 ])
 
 
-def verify_cost(tokens: int, context: int) -> float:
+class CostTable(NamedTuple):
+    contexts: np.ndarray  # (C,) context lengths measured, ascending
+    costs: np.ndarray  # (C, T) a 1..T-token forward after each, as a multiple of a one-token one
+    source: str  # where it comes from, for reports
+
+
+def shipped_table() -> CostTable:
+    return CostTable(CPU_CONTEXTS, CPU_COST, "shipped (a 2-core x86 VM, default model, float32)")
+
+
+def verify_cost(tokens: int, context: int, table: Optional[CostTable] = None) -> float:
     """A `tokens`-token forward after `context` tokens, as a multiple of a one-token forward
-    (interpolated in the context; past 5 tokens, extended by the last measured step)."""
-    return _cost(_costs_at(context), tokens)
+    (interpolated in the context; past the table's last T, extended by its last measured step)."""
+    return _cost(_costs_at(context, table), tokens)
 
 
-def _costs_at(context: int) -> np.ndarray:
-    """(5,) the table's row for T = 1..5, interpolated at `context`."""
-    return np.array([np.interp(context, CPU_CONTEXTS, CPU_COST[:, t]) for t in range(CPU_COST.shape[1])])
+def _costs_at(context: int, table: Optional[CostTable] = None) -> np.ndarray:
+    """(T,) the table's row for T = 1.., interpolated at `context` (held flat outside it)."""
+    contexts, costs, _ = table or shipped_table()
+    return np.array([np.interp(context, contexts, costs[:, t]) for t in range(costs.shape[1])])
 
 
 def _cost(per_t: np.ndarray, tokens: int) -> float:
@@ -61,13 +74,8 @@ def _cost(per_t: np.ndarray, tokens: int) -> float:
     return float(per_t[-1] + (tokens - len(per_t)) * (per_t[-1] - per_t[-2]))
 
 
-def costs_measured() -> bool:
-    """The table holds for the CPU it was measured on; elsewhere verify what the cutoff keeps."""
-    return on_cpu()
-
-
 def worth_verifying(probs: np.ndarray, owner: np.ndarray, kept: int, context: int,
-                    rate: float | None = None) -> int:
+                    rate: float | None = None, table: Optional[CostTable] = None) -> int:
     """probs (B, W, L-1): calibrated draft probabilities; owner (B, W, L): `dedup_prefix`'s first
     beam with each prefix; kept: the step length the cutoff allows. -> the step length (1 + drafts)
     in 1..kept with the most expected tokens per unit of verify cost; with `rate` (tokens a row
@@ -79,7 +87,7 @@ def worth_verifying(probs: np.ndarray, owner: np.ndarray, kept: int, context: in
     reach = np.cumprod(probs[:, :, : kept - 1], axis=-1).max(axis=1)  # (B, kept-1): the likeliest beam to depth j
     new_prefix = owner[:, :, :kept] == np.arange(W)[None, :, None]  # (B, W, kept): a packed token each
     tree_tokens = np.cumsum(new_prefix.sum(axis=1), axis=-1).max(axis=0)  # (kept,) T(k), widest row
-    per_t = _costs_at(context)  # once a step: the row for this context
+    per_t = _costs_at(context, table)  # once a step: the row for this context
     if rate is not None:
         return 1 + int(np.argmax([B + reach[:, :k].sum() - rate * B * _cost(per_t, int(tree_tokens[k]))
                                   for k in range(kept)]))
@@ -102,8 +110,9 @@ class RateMeter:
 
     PRIOR_RATE, PRIOR_COST = 1.2, 5.0
 
-    def __init__(self):
+    def __init__(self, table: Optional[CostTable] = None):
         self.tokens, self.cost = self.PRIOR_RATE * self.PRIOR_COST, self.PRIOR_COST
+        self.table = table
 
     @property
     def rate(self) -> float:
@@ -111,4 +120,4 @@ class RateMeter:
 
     def add(self, tokens_per_row: float, step_tokens: int, context: int) -> None:
         self.tokens += tokens_per_row
-        self.cost += verify_cost(step_tokens, context)
+        self.cost += verify_cost(step_tokens, context, self.table)

@@ -1,0 +1,82 @@
+"""This machine's verify-cost table (`mlx-specdec calibrate`, drafting/cost_probe.py): measured,
+stored per model and machine, read back by the engine for redrafter, ignored elsewhere."""
+
+import json
+
+import numpy as np
+import pytest
+
+from mlx_specdec.drafting import cost_probe
+from mlx_specdec.drafting.verify_cost import CostTable, shipped_table, verify_cost
+
+from conftest import make_tiny_lm, save_tiny_model_dir
+from test_cli_errors import assert_one_line_error, cli
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_SPECDEC_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def test_a_measured_table_starts_at_one_and_never_falls_with_more_tokens():
+    lm = make_tiny_lm(seed=1)
+    done = []
+    table = cost_probe.measure_table(lm.model, [8, 40], max_tokens=4, rounds=2, progress=done.append)
+    assert table.contexts.tolist() == [8, 40] and table.costs.shape == (2, 4)
+    assert (table.costs[:, 0] == 1.0).all()
+    assert (np.diff(table.costs, axis=1) >= 0).all()
+    assert sum(done) == 2 * 2 * 4  # every timed forward reported
+
+
+def test_a_stored_table_is_read_back_for_this_model_on_this_machine_only(home):
+    lm = make_tiny_lm(seed=1)
+    assert cost_probe.load_table(lm) is None
+    assert cost_probe.cost_table_for(lm) == shipped_table() or not cost_probe.on_cpu()
+    table = CostTable(np.array([100.0, 1000.0]), np.array([[1.0, 1.1, 1.2], [1.0, 1.3, 1.6]]), "measured")
+    path = cost_probe.save_table(lm, table, rounds=3)
+    assert path.parent == home / "verify-cost"
+    loaded = cost_probe.cost_table_for(lm)
+    assert np.array_equal(loaded.costs, table.costs) and np.array_equal(loaded.contexts, table.contexts)
+    assert str(path) in loaded.source
+    assert verify_cost(3, 550, loaded) == pytest.approx(1.4)  # the rule reads this table, interpolated
+    assert verify_cost(3, 550) != pytest.approx(1.4)  # not the shipped one
+
+    record = json.loads(path.read_text())
+    record["machine"]["cores"] = -1  # measured on another machine: not this one's
+    path.write_text(json.dumps(record))
+    assert cost_probe.load_table(lm) is None
+    path.write_text("{not json")
+    assert cost_probe.load_table(lm) is None
+
+
+def test_the_engine_hands_redrafter_the_stored_table(home):
+    from mlx_specdec.engine import Engine
+
+    lm = make_tiny_lm(seed=1)
+    table = CostTable(np.array([100.0]), np.array([[1.0, 1.05]]), "measured")
+    cost_probe.save_table(lm, table, rounds=1)
+    engine = Engine(lm, drafter=None)
+    assert np.array_equal(engine._resources_for("redrafter")["verify_costs"].costs, table.costs)
+
+
+def test_calibrate_measures_stores_and_shows_the_table(tmp_path):
+    model = save_tiny_model_dir(tmp_path / "model", context=64)
+    env = {"MLX_SPECDEC_HOME": str(tmp_path / "home")}
+    result = cli("calibrate", "-m", str(model), "--contexts", "8,24", "--tokens", "3", "--rounds", "2", env=env)
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| 8 |") or line.startswith("| 24 |")]
+    assert len(rows) == 2 and all(row.split("|")[2].strip() == "1.00" for row in rows)
+    stored = list((tmp_path / "home" / "verify-cost").glob("*.json"))
+    assert len(stored) == 1 and "wrote" in result.stderr
+    shown = cli("calibrate", "-m", str(model), "--show", env=env)
+    assert shown.returncode == 0 and rows[0] in shown.stdout
+
+
+def test_calibrate_refuses_bad_input_in_one_line(tmp_path):
+    model = save_tiny_model_dir(tmp_path / "model", context=64)
+    env = {"MLX_SPECDEC_HOME": str(tmp_path / "home")}
+    assert_one_line_error(cli("calibrate", "-m", str(model), "--show", env=env), "no table measured", "calibrate")
+    assert_one_line_error(cli("calibrate", "-m", str(model), "--contexts", "2000", env=env), "does not fit")
+    assert_one_line_error(cli("calibrate", "-m", str(model), "--contexts", "30,10", env=env), "increasing")
+    assert_one_line_error(cli("calibrate", "-m", str(model), "--tokens", "1", env=env), "at least 2")
