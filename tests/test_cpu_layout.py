@@ -1,4 +1,6 @@
-"""Column-major float32 weights on the CPU (model/cpu_layout.py): same values, same logits bit for bit."""
+"""Column-major float32 weights on the CPU (model/cpu_layout.py): same values, the same logits up to
+the last bits (bit for bit where OpenBLAS runs the same kernel for both layouts, as on the VM the layout
+was measured on; a CPU without AVX2 sums in another order) and the same greedy tokens."""
 
 import mlx_specdec  # noqa: F401  (preloads BLAS before mlx)
 
@@ -28,6 +30,13 @@ def row_major_again(model):
     mx.eval(model.parameters())
 
 
+def assert_same_logits(got, expected):
+    """Equal up to float rounding, and the same greedy token at every position."""
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-3)
+        assert np.array_equal(a.argmax(-1), b.argmax(-1))
+
+
 def prefill_and_verify(model):
     """Logits of a prefill, then of a 4-token tree verify with explicit positions and mask."""
     cache = ContiguousKVCache.for_model(model)
@@ -42,7 +51,7 @@ def prefill_and_verify(model):
 
 
 @pytest.mark.parametrize("tie", [True, False])
-def test_column_major_weights_keep_values_and_logits_bit_for_bit(tie):
+def test_column_major_weights_keep_values_and_logits(tie):
     model = make_tiny_llama(tie=tie)
     before = [np.array(m.weight) for m in laid_out(model)]
     expected = prefill_and_verify(model)
@@ -55,7 +64,7 @@ def test_column_major_weights_keep_values_and_logits_bit_for_bit(tie):
         assert module.weight.shape == values.shape
         assert np.array_equal(np.array(module.weight), values)
     got = prefill_and_verify(model)
-    assert np.array_equal(got[0], expected[0]) and np.array_equal(got[1], expected[1])
+    assert_same_logits(got, expected)
     assert store_column_major(model) == 0  # already laid out
 
 
@@ -75,7 +84,7 @@ def test_a_weight_scaled_after_loading_computes_the_same_in_either_layout():
     embed.weight = embed.weight / 8  # what some tests do after loading (elementwise: the layout stays)
     got = prefill_and_verify(model)
     row_major_again(model)
-    assert np.array_equal(got[0], prefill_and_verify(model)[0])
+    assert_same_logits(got[:1], prefill_and_verify(model)[:1])
 
 
 @pytest.mark.skipif(not on_cpu(), reason="the layout is applied on the CPU only")
@@ -98,4 +107,4 @@ def test_default_model_logits_equal_its_row_major_copy():
     row_major_again(lm.model)
     assert not is_column_major(lm.model.model.layers[0].self_attn.q_proj.weight)
     plain = prefill_and_verify(lm.model)
-    assert np.array_equal(laid[0], plain[0]) and np.array_equal(laid[1], plain[1])
+    assert_same_logits(laid, plain)

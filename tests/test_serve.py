@@ -212,7 +212,8 @@ def test_concurrent_redrafter_requests_are_decoded_together_each_with_its_own_an
         replies = list(pool.map(ask, [-1] + list(range(6)), timeout=240))[1:]
     assert [r.choices[0].message.content for r in replies] == want
     assert [r.usage.completion_tokens for r in replies] == [len(w.split()) for w in want]
-    sizes = [r.model_extra["speculation"]["batch_size"] for r in replies]
+    # a request that found the queue empty is decoded alone (a batch of one, no batch_size reported)
+    sizes = [r.model_extra["speculation"].get("batch_size", 1) for r in replies]
     assert max(sizes) > 1 and max(sizes) <= 4, sizes
     stop = " " + want[3].split()[4]  # a row's stop string ends that row only
     cut = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompts[3]}], max_tokens=12,

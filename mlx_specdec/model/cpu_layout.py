@@ -9,8 +9,11 @@ a decoding step has: over the default model's 210 projection matrices 39.5 vs 29
 So at load, on the CPU and in float32, each plain Linear / Embedding weight W keeps its shape and
 values but its memory holds W.T row-major: `contiguous(W.T).T`. `x @ W.T` then reads a row-major
 (in, out) matrix and OpenBLAS runs the NN kernel. Nothing else changes: the same array shape for
-every reader of `.weight`, no extra memory, and the logits bit for bit the same as before (checked
-by tests/test_cpu_layout.py against the row-major model, and mlx-lm parity tests). An embedding
+every reader of `.weight`, no extra memory, and the logits the same as before: bit for bit where
+OpenBLAS runs the same kernel for both layouts (the VM it was measured on), in the last bits only
+where it sums in another order (an AVX-only EPYC VM), the same greedy tokens either way
+(tests/test_cpu_layout.py against the row-major model). Every method decodes over the same laid-out
+weights, so greedy identity between methods does not depend on it. An embedding
 lookup gathers strided rows, T x D reads, which costs nothing next to the projections.
 
 Quantized layers keep MLX's own layout (they are dequantized first on the CPU when they fit:
