@@ -20,7 +20,9 @@ latest token `x`, and with the hidden state `h` that produced `x` (per batch row
 The step's only host sync reads the acceptance result *and* the next step's drafts together: the
 next draft is built lazily from the accepted path's hidden state before anything is read back.
 With lookup the acceptance is read first (the lookup needs x on the host) and the head's lazy
-drafts are read, in a second sync, only if a row found no lookup.
+drafts are read, in a second sync, only if a row found no lookup. A greedy chain (the default)
+reads its first draft there and each deeper one in a sync of its own, made only while the cutoff
+would keep the chain that deep (`HeadProposer` stepwise: the same trees, fewer projections).
 Before the first step the first tokens are read on their own and yielded, then the first draft
 is built and read: like every method, ReDrafter's TTFT is prefill + the first token's forward,
 and all drafting is decoding time.
