@@ -262,3 +262,14 @@ def test_cli_bench_compares_pipeline_methods_with_ar_and_reports_identical_outpu
                           "--methods", "ar,redrafter,pipeinfer", "--ranks", "2"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode != 0 and "not redrafter" in bad.stderr
+
+
+def test_an_event_line_with_the_launcher_s_warning_on_its_end_is_still_read():
+    """mlx.launch and the ranks share one pipe: a warning can land on the end of an event's line."""
+    from mlx_specdec.distributed.launch import _event
+
+    line = '{"tokens": [19], "job": 0}\x1b[33m[WARN] Node with rank 0 exited with code 1 \x1b[0m\n'
+    event, rest = _event(line)
+    assert event == {"tokens": [19], "job": 0} and "Node with rank 0 exited with code 1" in rest
+    assert _event('{"done": true}\n') == ({"done": True}, "")
+    assert _event('{"tokens": [1')[0] is None  # torn: not an event

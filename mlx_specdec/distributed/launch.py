@@ -119,7 +119,11 @@ def run_pipeline(job: dict, ranks: int = 2, hostfile: Optional[str] = None, time
                 if line.strip() and "closed by the peer" not in line:
                     other.append(line.strip())
                 continue
-            event: Dict = json.loads(line[len(MARK):])
+            event, rest = _event(line[len(MARK):])
+            if rest:  # another process's text written onto the same line (mlx.launch's warnings)
+                other.append(rest)
+            if event is None:  # a torn event line: not an event
+                continue
             if "connected" in event:
                 connected = True
                 continue
@@ -139,6 +143,18 @@ def run_pipeline(job: dict, ranks: int = 2, hostfile: Optional[str] = None, time
     if error is not None:
         raise UserError(f"pipeline: {error}")
     return events
+
+
+def _event(payload: str):
+    """One event line's JSON and whatever else shares the line: (event or None, the rest stripped).
+
+    The ranks and `mlx.launch` write to one pipe; a launcher warning can land on the end of an
+    event's line ('{"tokens": [19], "job": 0}\x1b[33m[WARN] Node with rank 0 exited ...')."""
+    try:
+        event, end = json.JSONDecoder().raw_decode(payload)
+    except json.JSONDecodeError:
+        return None, payload.strip()
+    return (event if isinstance(event, dict) else None), payload[end:].strip()
 
 
 def _rank_line(lines: List[str]) -> Optional[str]:
