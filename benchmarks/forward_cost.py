@@ -24,7 +24,6 @@ import mlx_specdec  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
 import numpy as np
 
-
 from mlx_specdec import masks
 from mlx_specdec.cache import ContiguousKVCache
 from mlx_specdec.drafting.cost_probe import median_ms, prefilled

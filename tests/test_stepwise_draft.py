@@ -22,9 +22,13 @@ def steps_of(engine, prompt, **options):
     return tokens, [(e.drafted, e.accepted) for e in events if e.kind == "token"]
 
 
-def test_the_chain_one_depth_at_a_time_is_beam_search_s_chain():
+@pytest.mark.parametrize("tau", [1.0, 1.3])
+def test_the_chain_one_depth_at_a_time_is_beam_search_s_chain(tau):
+    import dataclasses
+
     lm = make_tiny_lm(seed=2)
     head, embed = random_head(lm), lm.model.model.embed_tokens
+    head.config = dataclasses.replace(head.config, confidence_temperature=tau)
     hidden = mx.random.normal((3, 64), key=mx.random.key(1))
     first = mx.array([5, 17, 60])
     want = beam_search(head, embed, hidden, first, 1, 5)

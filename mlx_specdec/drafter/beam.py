@@ -66,9 +66,7 @@ def beam_search(head, embed: Embed, hidden: mx.array, first_token: mx.array, wid
         new_scores = mx.take_along_axis(candidates, top, axis=-1)
         step = new_scores - mx.take_along_axis(scores, parent, axis=-1)  # (B, W) the new token's log-prob
         if tau != 1.0:  # its log-prob at the head's calibrated temperature instead
-            sharp = logits / tau
-            sharp = (sharp - mx.logsumexp(sharp, axis=-1, keepdims=True)).reshape(B, width * K)
-            step = mx.take_along_axis(sharp, top, axis=-1)  # (B, W)
+            step = _tempered_logprob(logits.reshape(B, width * K), top, tau, K)  # (B, W)
         steps = mx.concatenate([mx.take_along_axis(steps, parent[..., None], axis=1), step[..., None]], axis=-1)
         scores = new_scores
         token = head.draft_to_full[draft_token]  # (B, W) full-vocabulary ids
@@ -108,9 +106,17 @@ def greedy_chain_step(head, state: mx.array, hidden: mx.array, score: mx.array):
     step = new_score - score  # (B,) as beam_search takes the token's log-prob
     tau = head.config.confidence_temperature
     if tau != 1.0:
-        sharp = logits / tau
-        step = mx.take_along_axis(sharp - mx.logsumexp(sharp, axis=-1, keepdims=True), top, axis=-1)[:, 0]
+        step = _tempered_logprob(logits, top, tau, logits.shape[-1])[:, 0]
     return head.draft_to_full[top[:, 0]], new_score, mx.exp(step)
+
+
+def _tempered_logprob(logits: mx.array, top: mx.array, tau: float, K: int) -> mx.array:
+    """logits (B, W*K): W draft-vocabulary rows side by side; top (B, n) indices into them ->
+    (B, n) each chosen token's log-probability within its own row at temperature tau."""
+    B = logits.shape[0]
+    sharp = logits.reshape(B, -1, K) / tau
+    sharp = (sharp - mx.logsumexp(sharp, axis=-1, keepdims=True)).reshape(B, -1)
+    return mx.take_along_axis(sharp, top, axis=-1)
 
 
 def compiled_chain(head, embed: Embed):
