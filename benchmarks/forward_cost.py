@@ -7,8 +7,8 @@
 The second form prints ReDrafter's verify-cost table (drafting/verify_cost.py's CPU_COST; `mlx-specdec
 calibrate` measures and stores the same for the machine it runs on): one row
 of T tokens, as a multiple of one token, per context length. The third compares the float32 weights
-as the engine lays them out on the CPU (column-major, model/cpu_layout.py) with the same weights
-made row-major afterwards, in one process.
+row-major (as mlx-lm loads them) with the same weights column-major (model/cpu_layout.py: the
+engine keeps the faster on this machine), in one process.
 
 Speculative methods buy fewer forwards with wider ones: ReDrafter verifies a packed tree of T
 tokens in one row, APAR decodes T live threads as T rows of one token. Either only pays off if
@@ -26,9 +26,9 @@ import numpy as np
 
 from mlx_specdec import masks
 from mlx_specdec.cache import ContiguousKVCache
-from mlx_specdec.drafting.cost_probe import median_ms, prefilled
+from mlx_specdec.model.timing import median_ms, prefilled
 from mlx_specdec.engine import Engine
-from mlx_specdec.model.cpu_layout import LAID_OUT, is_column_major
+from mlx_specdec.model.cpu_layout import COLUMN, ROW, current_layout, store_layout
 from mlx_specdec.model.forward import forward
 
 
@@ -63,7 +63,7 @@ def main():
     parser.add_argument("--one-row", action="store_true",
                         help="only T tokens in one row, for each of a comma list of --context lengths")
     parser.add_argument("--layout", action="store_true",
-                        help="one row of T tokens with column-major (as loaded on the CPU) and row-major weights")
+                        help="one row of T tokens with column-major and with row-major weights")
     args = parser.parse_args()
     model = Engine.load(args.model).lm.model
     counts = [int(t) for t in args.tokens.split(",")]
@@ -101,17 +101,14 @@ def one_row_table(model, contexts, counts, repeats) -> None:
 
 
 def layout_table(model, context, counts, repeats) -> None:
-    """Every T with the weights as loaded (column-major on the CPU), then every T again after making
-    each weight row-major in place (one copy of the weights at a time, as a row-major load has)."""
-    modules = [m for _, m in model.named_modules() if type(m) in LAID_OUT]
-    columns = sum(is_column_major(m.weight) for m in modules)
-    print(f"one row of T query tokens after {context}; median of {repeats}; {columns}/{len(modules)} weights "
-          f"column-major as loaded; mlx {mx.__version__}, {mx.default_device()}")
+    """Every T with the weights column-major, then every T again with them row-major (re-laid in
+    place, one matrix at a time, as a load does)."""
+    print(f"one row of T query tokens after {context}; median of {repeats}; loaded {current_layout(model)}-major; "
+          f"mlx {mx.__version__}, {mx.default_device()}")
     cache = prefilled(model, 1, context)
+    store_layout(model, COLUMN)
     column = [forward_ms(model, 1, t, context, repeats, cache=cache) for t in counts]
-    for module in modules:
-        module.weight = mx.contiguous(module.weight)  # row-major, as mlx-lm loads it
-        mx.eval(module.weight)
+    store_layout(model, ROW)
     row = [forward_ms(model, 1, t, context, repeats, cache=cache) for t in counts]
     print("| T | row-major (ms) | x one token | column-major (ms) | x one token | column / row |")
     print("|---:|---:|---:|---:|---:|---:|")

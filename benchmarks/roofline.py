@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_specdec.cache import ContiguousKVCache
-from mlx_specdec.drafting.cost_probe import median_ms
+from mlx_specdec.model.timing import median_ms
 from mlx_specdec.engine import Engine
 from mlx_specdec.model.forward import forward
 

@@ -120,6 +120,7 @@ def environment(engine: Engine) -> Dict[str, object]:
         "model": lm.name,
         "dtype": lm.dtype,
         "bits": lm.bits or (32 if lm.dtype == "float32" else 16),
+        "weights": lm.layout,  # row- or column-major on the CPU, as measured fastest there (model/cpu_layout.py)
         "git_commit": commit or "unknown",
         # redrafter's step length depends on it: `mlx-specdec calibrate` measures this machine's
         "verify_cost_table": engine.verify_costs.source if engine.verify_costs is not None else "none",

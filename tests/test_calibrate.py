@@ -50,6 +50,22 @@ def test_a_stored_table_is_read_back_for_this_model_on_this_machine_only(home):
     assert cost_probe.load_table(lm) is None
 
 
+def test_a_table_measured_over_weights_laid_out_otherwise_is_not_used(home):
+    from mlx_specdec.model.cpu_layout import COLUMN, ROW, current_layout, store_layout
+
+    lm = make_tiny_lm(seed=1)
+    assert current_layout(lm.model) == ROW
+    table = CostTable(np.array([100.0]), np.array([[1.0, 1.05]]), "measured")
+    path = cost_probe.save_table(lm, table, rounds=1)
+    assert json.loads(path.read_text())["layout"] == ROW and cost_probe.load_table(lm) is not None
+    store_layout(lm.model, COLUMN)  # what a step costs changed with the layout
+    assert cost_probe.load_table(lm) is None or not cost_probe.on_cpu()
+    record = json.loads(path.read_text())
+    del record["layout"]  # tables from before the layout was recorded: measured column-major on the CPU
+    path.write_text(json.dumps(record))
+    assert cost_probe.load_table(lm) is not None
+
+
 def test_the_engine_hands_redrafter_the_stored_table(home):
     from mlx_specdec.engine import Engine
 
@@ -69,6 +85,11 @@ def test_calibrate_measures_stores_and_shows_the_table(tmp_path):
     assert len(rows) == 2 and all(row.split("|")[2].strip() == "1.00" for row in rows)
     stored = list((tmp_path / "home" / "verify-cost").glob("*.json"))
     assert len(stored) == 1 and "wrote" in result.stderr
+    if cost_probe.on_cpu():  # the weight layout is timed first, and the table is for the one kept
+        layout = json.loads(next((tmp_path / "home" / "cpu-layout").glob("*.json")).read_text())
+        assert layout["rounds"] == 5 and set(layout["ms"]) == {"row", "column"}
+        assert json.loads(stored[0].read_text())["layout"] == layout["layout"]
+        assert f"weights: {layout['layout']}-major" in result.stderr
     shown = cli("calibrate", "-m", str(model), "--show", env=env)
     assert shown.returncode == 0 and rows[0] in shown.stdout
 
@@ -80,3 +101,4 @@ def test_calibrate_refuses_bad_input_in_one_line(tmp_path):
     assert_one_line_error(cli("calibrate", "-m", str(model), "--contexts", "2000", env=env), "does not fit")
     assert_one_line_error(cli("calibrate", "-m", str(model), "--contexts", "30,10", env=env), "increasing")
     assert_one_line_error(cli("calibrate", "-m", str(model), "--tokens", "1", env=env), "at least 2")
+    assert_one_line_error(cli("calibrate", "-m", str(model), "--layout-rounds", "-1", env=env), "--layout-rounds")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from ..errors import UserError
+from ..model.device import on_cpu
 from .args import _add_model_args, _comma_list, load_engine
 
 
@@ -14,14 +16,19 @@ def add_parser(sub) -> None:
                                    "this machine and store the table in the user cache, where redrafter's "
                                    "--verify-cost rule reads it (it decides how many drafts a step verifies). "
                                    "Without one the CPU uses a table shipped from another machine and a GPU "
-                                   "verifies every draft the cutoff keeps. Run it on a quiet machine; "
-                                   "about a minute for the default model.")
+                                   "verifies every draft the cutoff keeps. On the CPU it first times the "
+                                   "float32 weights row- against column-major and keeps the faster (the table "
+                                   "holds for that layout only). Run it on a quiet machine; about two minutes "
+                                   "for the default model.")
     _add_model_args(p)
     p.add_argument("--contexts", default="150,2000,6000",
                    help="comma list of context lengths to measure after (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=8, help="measure T = 1..this many query tokens (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=9,
                    help="timed forwards per T and context; the median counts (default: %(default)s)")
+    p.add_argument("--layout-rounds", type=int, default=5,
+                   help="interleaved rounds timing the CPU weight layouts first, row- against column-major "
+                        "(0: keep the one chosen at load; default: %(default)s)")
     p.add_argument("--show", action="store_true", help="print the table stored for this model and machine, measure nothing")
     p.set_defaults(func=cmd_calibrate)
 
@@ -32,12 +39,13 @@ def cmd_calibrate(args) -> int:
     contexts = _comma_list(args.contexts, int)
     if any(c < 1 for c in contexts) or contexts != sorted(set(contexts)):
         raise UserError("--contexts must be increasing positive token counts, e.g. 150,2000,6000")
-    if args.tokens < 2 or args.rounds < 1:
-        raise UserError("--tokens must be at least 2 and --rounds at least 1")
+    if args.tokens < 2 or args.rounds < 1 or args.layout_rounds < 0:
+        raise UserError("--tokens must be at least 2, --rounds at least 1 and --layout-rounds at least 0")
     args.drafter = "none"
     engine = load_engine(args)
     lm = engine.lm
     if args.show:
+        print(f"weights: {lm.layout}")
         table = load_table(lm)
         if table is None:
             raise UserError(f"no table measured for {lm.describe()} on this machine ({table_path(lm)}): "
@@ -50,12 +58,29 @@ def cmd_calibrate(args) -> int:
                         f"with {args.tokens} query tokens (at most {limit})")
     from tqdm import tqdm
 
+    remeasure_layout(lm, args.layout_rounds)
     with tqdm(total=len(contexts) * args.rounds * args.tokens, desc="calibrate", unit="forward") as bar:
         table = measure_table(lm.model, contexts, args.tokens, args.rounds, progress=bar.update)
     path = save_table(lm, table, args.rounds)
     print_table(table.contexts, table.costs, f"{lm.describe()}, median of {args.rounds}")
     print(f"wrote {path}: redrafter uses it on this machine from now on", file=sys.stderr)
     return 0
+
+
+def remeasure_layout(lm, rounds: int) -> None:
+    """The CPU weight layout first (model/cpu_layout.py): the table is only valid for the layout it
+    was measured in."""
+    from ..model import cpu_layout
+
+    if rounds == 0 or lm.dtype != "float32" or not on_cpu() or os.environ.get(cpu_layout.LAYOUT_ENV):
+        print(f"weights: {lm.layout}", file=sys.stderr)
+        return
+    print(f"timing the weight layouts ({rounds} rounds) ...", file=sys.stderr)
+    measured = cpu_layout.measure_layouts(lm.model, rounds)
+    choice = cpu_layout.save_layout(lm.name, lm.dtype, measured, rounds)
+    cpu_layout.store_layout(lm.model, choice.layout)
+    lm.layout = f"{choice.layout}-major, {choice.source}"
+    print(f"weights: {lm.layout}", file=sys.stderr)
 
 
 def print_table(contexts, costs, source: str) -> None:

@@ -33,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import UserError
-from ..model.cpu_layout import column_major, store_column_major
+from ..model.cpu_layout import COLUMN, column_major, current_layout, store_layout
 from ..model.device import on_cpu
 
 CONFIG_FILE = "config.json"
@@ -240,8 +240,8 @@ def load_drafter(directory, lm, dtype=mx.float32) -> DrafterHead:
         raise UserError(f"corrupt drafter weights {path}: {str(exc).splitlines()[0]}") from None
     mx.eval(head.parameters(), head.draft_to_full, head.full_to_draft, head._output_rows
             if config.output == "llm_head" else [])
-    if dtype == mx.float32 and on_cpu():  # as the LLM's weights there (model/cpu_layout.py)
-        store_column_major(head)
+    if dtype == mx.float32 and on_cpu() and current_layout(lm.model) == COLUMN:  # as the LLM's (model/cpu_layout.py)
+        store_layout(head, COLUMN)
         if config.output == "llm_head":
             head.attach_output_rows(column_major(head._output_rows))
     return head

@@ -13,14 +13,13 @@ So the table is measured where it is used, once per machine and model, and kept 
 
 The rounds interleave the T values, so a slow spell of the machine touches every T alike; the
 running maximum removes what noise is left (a longer verify never costs less). The stored file
-names the machine it was measured on; on another machine it is ignored.
+names the machine and the weight layout (model/cpu_layout.py) it was measured with; on another
+machine, or over weights laid out otherwise, it is ignored.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import platform
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -28,42 +27,14 @@ from typing import Callable, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..cache import ContiguousKVCache
-from ..model.device import on_cpu
-from ..model.forward import forward
+from ..model.cpu_layout import COLUMN, ROW, current_layout
+from ..model.device import machine, on_cpu
+from ..model.timing import prefilled, verify_forward
 from .verify_cost import CostTable, shipped_table
 
 DEFAULT_CONTEXTS = (150, 2000, 6000)
 DEFAULT_TOKENS = 8  # T = 1..8: ReDrafter's default chains verify at most 5, lookup streaks more
 DEFAULT_ROUNDS = 9
-PREFILL_CHUNK = 1024  # as the engine prefills: one 6K-token forward would hold 9 x 6K x 6K scores per layer
-
-
-def median_ms(fn: Callable[[], None], repeats: int = 15, warmup: int = 3) -> float:
-    times = []
-    for i in range(repeats + warmup):
-        start = time.perf_counter()
-        fn()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return 1000 * float(np.median(times))
-
-
-def prefilled(model, rows: int, context: int) -> ContiguousKVCache:
-    """A cache holding `context` tokens of an arbitrary prompt for `rows` rows."""
-    cache = ContiguousKVCache.for_model(model)
-    prompt = mx.array([[1000 + (i * 7 + r) % 5000 for i in range(context)] for r in range(rows)])
-    for start in range(0, context, PREFILL_CHUNK):
-        forward(model, prompt[:, start:start + PREFILL_CHUNK], cache, logits_for="none")
-        mx.eval(cache.state)
-    return cache
-
-
-def verify_forward(model, cache: ContiguousKVCache, tokens: int) -> None:
-    """One forward of `tokens` query tokens in one row, every logit computed, then the cache as before."""
-    out = forward(model, mx.array([[5 + i for i in range(tokens)]]), cache, logits_for="all")
-    mx.eval(out.logits)
-    cache.trim(tokens)
 
 
 def measure_table(model, contexts: Sequence[int], max_tokens: int = DEFAULT_TOKENS, rounds: int = DEFAULT_ROUNDS,
@@ -90,14 +61,6 @@ def measure_table(model, contexts: Sequence[int], max_tokens: int = DEFAULT_TOKE
     return CostTable(np.array(contexts, dtype=np.float64), np.stack(rows), "measured")
 
 
-def machine() -> dict:
-    """What the table depends on besides the model: the device and the CPU it runs on."""
-    info = mx.device_info() if hasattr(mx, "device_info") else {}
-    return {"device": "cpu" if on_cpu() else "gpu", "device_name": str(info.get("device_name", "")),
-            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "system": platform.system()}
-
-
 def table_path(lm) -> Path:
     from ..model.default import home
 
@@ -110,7 +73,7 @@ def save_table(lm, table: CostTable, rounds: int) -> Path:
     path = table_path(lm)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"contexts": table.contexts.tolist(), "costs": np.round(table.costs, 4).tolist(), "rounds": rounds,
-              "model": lm.describe(), "machine": machine(), "mlx": mx.__version__,
+              "model": lm.describe(), "layout": current_layout(lm.model), "machine": machine(), "mlx": mx.__version__,
               "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=1))
@@ -124,6 +87,10 @@ def load_table(lm) -> Optional[CostTable]:
     try:
         record = json.loads(path.read_text())
         if record["machine"] != machine():
+            return None
+        # measured over weights in another layout (cpu_layout.py): not what a step costs now; tables
+        # from before the layout was recorded were all measured column-major on the CPU
+        if record.get("layout", COLUMN if record["machine"]["device"] == "cpu" else ROW) != current_layout(lm.model):
             return None
         costs = np.array(record["costs"], dtype=np.float64)
         contexts = np.array(record["contexts"], dtype=np.float64)

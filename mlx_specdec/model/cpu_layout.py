@@ -1,36 +1,60 @@
-"""Float32 weights laid out for OpenBLAS on the CPU: each matrix stored column-major.
+"""Float32 weights laid out for this machine's BLAS on the CPU: row-major, or column-major.
 
-An `nn.Linear` computes `x @ W.T` with W (out, in) row-major, so every projection (and the tied
-vocabulary projection, `embed_tokens.as_linear`) reaches OpenBLAS as a GEMM with a transposed
-right operand. On the 2-core CPU that "NT" GEMM is slower than the plain "NN" one for the few rows
-a decoding step has: over the default model's 210 projection matrices 39.5 vs 29.3 ms for one row,
-44.0 vs 34.3 ms for two, 53.9 vs 45.2 ms for five (benchmarks/results/cpu_weight_layout.md).
+An `nn.Linear` computes `x @ W.T` with W (out, in). Stored row-major (as mlx-lm loads it) that
+reaches OpenBLAS as an "NT" GEMM; stored column-major (`contiguous(W.T).T`: the same shape and
+values, its memory holding W.T row-major) as an "NN" one. Which is faster for the few rows a
+decoding step has depends on the CPU and the OpenBLAS kernels it picks, and by a lot:
 
-So at load, on the CPU and in float32, each plain Linear / Embedding weight W keeps its shape and
-values but its memory holds W.T row-major: `contiguous(W.T).T`. `x @ W.T` then reads a row-major
-(in, out) matrix and OpenBLAS runs the NN kernel. Nothing else changes: the same array shape for
-every reader of `.weight`, no extra memory, and the logits the same as before: bit for bit where
-OpenBLAS runs the same kernel for both layouts (the VM it was measured on), in the last bits only
-where it sums in another order (an AVX-only EPYC VM), the same greedy tokens either way
-(tests/test_cpu_layout.py against the row-major model). Every method decodes over the same laid-out
-weights, so greedy identity between methods does not depend on it. An embedding
-lookup gathers strided rows, T x D reads, which costs nothing next to the projections.
+    one-token forward of the default model after 150 tokens   row-major   column-major
+    a 2-core x86 VM (benchmarks/results/cpu_weight_layout.md)     66.0 ms      55.2 ms
+    a 2-core AMD EPYC VM, AVX-512 kernels (cpu_layout_choice.md)   54.9 ms      74.2 ms
 
+(on the second the tied vocabulary projection alone: 8.3 vs 15.8 ms). So the layout is measured
+on the machine, like ReDrafter's verify-cost table: at the first load of a real-sized float32 model
+on the CPU, `measure_layouts` times a one-token and a three-token forward (a plain step and a
+typical verify) in each layout over a few interleaved rounds, and the choice is kept in the user
+cache per model and machine (`mlx-specdec calibrate` measures it again, longer). Column-major is
+taken only when it is clearly faster; otherwise the weights stay as mlx-lm loads them. Tiny models
+(test fixtures) are not probed. `MLX_SPECDEC_CPU_LAYOUT=row|column` overrides everything.
+
+Either way the values are the same: the logits equal to the last bits (bit for bit where OpenBLAS
+runs one kernel for both) and the same greedy tokens (tests/test_cpu_layout.py). Every method
+decodes over the same laid-out weights, so greedy identity between methods does not depend on it.
 Quantized layers keep MLX's own layout (they are dequantized first on the CPU when they fit:
-loader.should_dequantize). Elementwise arithmetic on a weight keeps its layout; a weight replaced
-by a new row-major array is simply computed the old way: correct, only without this speed-up.
+loader.should_dequantize). Elementwise arithmetic on a weight keeps its layout.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import time
+from pathlib import Path
+from typing import Dict, NamedTuple, Optional
+
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+
+from .device import machine
 
 LAID_OUT = (nn.Linear, nn.Embedding)  # exactly these types: quantized and LoRA layers are left as they are
+ROW, COLUMN = "row", "column"
+LAYOUT_ENV = "MLX_SPECDEC_CPU_LAYOUT"
+PROBE_MIN_PARAMS = 50_000_000  # smaller models are test fixtures: mlx-lm's layout, no probe
+PROBE_CONTEXT = 150
+PROBE_TOKENS = (1, 3)  # a plain decoding step and a typical ReDrafter verify
+LOAD_ROUNDS = 2  # at a first load (~3 s for the default model); `calibrate` measures more
+COLUMN_MARGIN = 0.03  # column-major replaces mlx-lm's layout only when at least this much faster
+
+
+class LayoutChoice(NamedTuple):
+    layout: str  # ROW or COLUMN
+    source: str  # why, for reports
 
 
 def is_column_major(weight: mx.array) -> bool:
-    """The 2-D weight's memory holds its transpose row-major (what `store_column_major` makes)."""
+    """The 2-D weight's memory holds its transpose row-major (what `column_major` makes)."""
     if weight.ndim != 2:
         return False
     item = weight.itemsize
@@ -44,15 +68,130 @@ def column_major(weight: mx.array) -> mx.array:
     return laid
 
 
-def store_column_major(model: nn.Module) -> int:
-    """Re-lay every plain Linear / Embedding float32 weight column-major, in place. -> how many."""
-    count = 0
+def row_major(weight: mx.array) -> mx.array:
+    laid = mx.contiguous(weight)
+    mx.eval(laid)
+    return laid
+
+
+def _laid_out_weights(model: nn.Module):
     for _, module in model.named_modules():
-        if type(module) not in LAID_OUT:
+        weight = getattr(module, "weight", None)
+        if type(module) in LAID_OUT and weight is not None and weight.dtype == mx.float32 and weight.ndim == 2:
+            yield module
+
+
+def store_layout(model: nn.Module, layout: str) -> int:
+    """Re-lay every plain Linear / Embedding float32 weight in `layout`, in place. -> how many changed."""
+    if layout not in (ROW, COLUMN):
+        raise ValueError(f"unknown layout {layout!r}")
+    count = 0
+    for module in _laid_out_weights(model):
+        if is_column_major(module.weight) == (layout == COLUMN):
             continue
-        weight = module.weight
-        if weight.dtype != mx.float32 or weight.ndim != 2 or is_column_major(weight):
-            continue
-        module.weight = column_major(weight)  # one matrix at a time: the old copy is freed before the next
+        # one matrix at a time: the old copy is freed before the next
+        module.weight = column_major(module.weight) if layout == COLUMN else row_major(module.weight)
         count += 1
     return count
+
+
+def store_column_major(model: nn.Module) -> int:
+    return store_layout(model, COLUMN)
+
+
+def current_layout(model: nn.Module) -> str:
+    """COLUMN if the model's float32 weights are laid out column-major (judged by the first), else ROW."""
+    first = next(_laid_out_weights(model), None)
+    return COLUMN if first is not None and is_column_major(first.weight) else ROW
+
+
+def measure_layouts(model: nn.Module, rounds: int = LOAD_ROUNDS) -> Dict[str, float]:
+    """Median over rounds of a 1-token plus a 3-token forward after PROBE_CONTEXT tokens (each the
+    faster of two), per layout; the rounds interleave the layouts so a slow spell of the machine touches both. The model is left
+    in the layout it came in."""
+    from .timing import prefilled, verify_forward
+
+    start = current_layout(model)
+    window = getattr(getattr(model, "args", None), "max_position_embeddings", None) or PROBE_CONTEXT * 2
+    cache = prefilled(model, 1, min(PROBE_CONTEXT, window - 2 * PROBE_TOKENS[-1]))  # a short model fits it too
+    times: Dict[str, list] = {ROW: [], COLUMN: []}
+    for _ in range(rounds):
+        for layout in (ROW, COLUMN):
+            store_layout(model, layout)
+            verify_forward(model, cache, PROBE_TOKENS[-1])  # the new layout's first reads
+            total = 0.0
+            for tokens in PROBE_TOKENS:
+                spans = []
+                for _ in range(2):
+                    begin = time.perf_counter()
+                    verify_forward(model, cache, tokens)
+                    spans.append(time.perf_counter() - begin)
+                total += min(spans)  # the machine's speed; a spike is the machine's noise
+            times[layout].append(1000 * total)
+    store_layout(model, start)
+    return {layout: float(np.median(ms)) for layout, ms in times.items()}
+
+
+def faster_layout(measured: Dict[str, float]) -> str:
+    return COLUMN if measured[COLUMN] < (1 - COLUMN_MARGIN) * measured[ROW] else ROW
+
+
+def layout_path(name: str, dtype: str) -> Path:
+    from .default import home
+
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+    return home() / "cpu-layout" / f"{safe}-{dtype}.json"
+
+
+def save_layout(name: str, dtype: str, measured: Dict[str, float], rounds: int) -> LayoutChoice:
+    path = layout_path(name, dtype)
+    layout = faster_layout(measured)
+    record = {"layout": layout, "ms": {k: round(v, 2) for k, v in measured.items()}, "rounds": rounds,
+              "machine": machine(), "mlx": mx.__version__,
+              "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        tmp.replace(path)  # a half-written choice is never read
+    except OSError:
+        pass  # a read-only cache: measured again at the next load
+    return LayoutChoice(layout, _describe(record, path))
+
+
+def stored_layout(name: str, dtype: str) -> Optional[LayoutChoice]:
+    """The layout measured for this model on this machine, or None (none, another machine's, corrupt)."""
+    path = layout_path(name, dtype)
+    try:
+        record = json.loads(path.read_text())
+        if record["machine"] != machine() or record["layout"] not in (ROW, COLUMN):
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return LayoutChoice(record["layout"], _describe(record, path))
+
+
+def _describe(record: dict, path: Path) -> str:
+    ms = record.get("ms", {})
+    return (f"measured {record.get('measured_at', '?')}: 1+3-token forwards row-major {ms.get(ROW, '?')} ms, "
+            f"column-major {ms.get(COLUMN, '?')} ms ({path})")
+
+
+def choose_layout(model: nn.Module, name: str, dtype: str) -> LayoutChoice:
+    """The layout this model's float32 weights should have on this CPU (see the module docstring)."""
+    forced = os.environ.get(LAYOUT_ENV, "").strip().lower()
+    if forced in (ROW, COLUMN):
+        return LayoutChoice(forced, f"${LAYOUT_ENV}")
+    stored = stored_layout(name, dtype)
+    if stored is not None:
+        return stored
+    params = sum(m.weight.size for m in _laid_out_weights(model))
+    if params < PROBE_MIN_PARAMS:
+        return LayoutChoice(ROW, "mlx-lm's (a small model: not measured)")
+    return save_layout(name, dtype, measure_layouts(model, LOAD_ROUNDS), LOAD_ROUNDS)
+
+
+def apply_cpu_layout(model: nn.Module, name: str, dtype: str) -> LayoutChoice:
+    choice = choose_layout(model, name, dtype)
+    store_layout(model, choice.layout)
+    return choice

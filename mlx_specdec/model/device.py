@@ -6,6 +6,9 @@ ask here, so a backend is recognised in one place.
 
 from __future__ import annotations
 
+import os
+import platform
+
 import mlx.core as mx
 
 
@@ -21,3 +24,11 @@ def on_cpu() -> bool:
 
 def on_cuda() -> bool:
     return mx.default_device() == mx.gpu and cuda_available()
+
+
+def machine() -> dict:
+    """What a measured decision depends on besides the model: the device and the CPU it runs on."""
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    return {"device": "cpu" if on_cpu() else "gpu", "device_name": str(info.get("device_name", "")),
+            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "system": platform.system()}
