@@ -291,7 +291,7 @@ def _adapted_lm(lm: LoadedModel, model: nn.Module, config: AdapterConfig) -> Loa
     cfg["vocab_size"] = config.base_vocab_size + 2
     cfg["apar"] = {"convention": config.convention, "fork_token": config.fork_token,
                    "child_token": config.child_token, "mode": config.mode}
-    return LoadedModel(model, tokenizer, lm.path, f"{lm.name}+apar", cfg, lm.dtype, lm.bits)
+    return LoadedModel(model, tokenizer, lm.path, f"{lm.name}+apar", cfg, lm.dtype, lm.bits, layout=lm.layout)
 
 
 def find_shipped_adapter(lm: LoadedModel, models_dir: Path) -> Optional[Path]:

@@ -36,7 +36,7 @@ import numpy as np
 
 # `python benchmarks/forward_cost.py --one-row --context 150,2000,6000 --tokens 1,2,3,4,5 --repeats 15`
 # (benchmarks/results/issue18_verify_cost.md): the default model in float32 on the 2-core CPU, weights
-# column-major as the engine loads them there (model/cpu_layout.py), one row of T query tokens after
+# column-major (the layout measured faster there, model/cpu_layout.py), one row of T query tokens after
 # `context` tokens, as a multiple of one token, medians of 15.
 CPU_CONTEXTS = np.array([150.0, 2000.0, 6000.0])
 CPU_COST = np.array([  # T = 1 .. 5
