@@ -27,8 +27,11 @@ def on_cuda() -> bool:
 
 
 def machine() -> dict:
-    """What a measured decision depends on besides the model: the device and the CPU it runs on."""
+    """What a measured decision depends on besides the model: the device, the CPU it runs on and
+    the BLAS that multiplies there (`_blas.py`)."""
+    from .._blas import loaded_blas
+
     info = mx.device_info() if hasattr(mx, "device_info") else {}
     return {"device": "cpu" if on_cpu() else "gpu", "device_name": str(info.get("device_name", "")),
             "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "system": platform.system()}
+            "system": platform.system(), "blas": loaded_blas if on_cpu() else ""}

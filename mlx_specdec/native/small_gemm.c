@@ -1,0 +1,138 @@
+/* cblas_sgemm for the few rows of a decoding step, in front of OpenBLAS (see mlx_specdec/_blas.py).
+ *
+ * MLX's CPU backend computes every float32 product as cblas_sgemm. For a decoding step that is
+ * x (M, K) @ W.T with M = 1 (a plain step) or a few (a verify), and OpenBLAS 0.3.21 runs it as a
+ * GEMM: it packs W into panels first, so a one-row product reads and writes the weights more than
+ * once. Here one B row is streamed once for up to 8 A rows, and the step is memory-bound: the
+ * default model's vocabulary projection (49152 x 576, one row) took 8.3 ms through MLX + OpenBLAS
+ * and 3.5 ms here on 2 cores; 2-4 rows cost the same as one.
+ *
+ * Handled here: row-major, A not transposed, B transposed (MLX's x @ W.T over row-major weights),
+ * 1 <= M <= 8 and a B of at least MIN_WORK elements. Everything else goes to OpenBLAS unchanged.
+ * Each output element is one fixed sequence of vector FMAs over K and one fixed-order sum, so a
+ * row's result has the same bits whatever M is (a token verified in a tree of 5 gets exactly the
+ * logits it gets alone).
+ */
+#include <stddef.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112, MAX_ROWS = 8, MAX_CALL_ROWS = 32 };
+#define PARALLEL_WORK (64 * 1024)  /* elements of B below which one thread does it all */
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int,
+                         float, float *, int);
+
+static sgemm_fn next_sgemm;  /* OpenBLAS's cblas_sgemm, set by small_gemm_init */
+static long calls_here, calls_forwarded;
+
+static inline v16 load16(const float *p) { v16 v; __builtin_memcpy(&v, p, sizeof v); return v; }
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+static inline float sum16(v16 v) {  /* a fixed tree of halvings: the same bits whatever M is */
+    v8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+    return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+/* rows n0..n1 of C for R rows of A: C[m, n] = alpha * dot(A[m, :], B[n, :]) + beta * C[m, n] */
+#define NT_ROWS(R)                                                                            \
+static void nt_rows_##R(int n0, int n1, int K, float alpha, const float *A, int lda,          \
+                        const float *B, int ldb, float beta, float *C, int ldc) {             \
+    int K16 = K & ~15;                                                                        \
+    for (int n = n0; n < n1; n++) {                                                           \
+        const float *b = B + (size_t)n * ldb;                                                 \
+        v16 acc[R];                                                                           \
+        for (int m = 0; m < R; m++) acc[m] = (v16){0};                                        \
+        for (int k = 0; k < K16; k += 16) {                                                   \
+            v16 bv = load16(b + k);                                                           \
+            for (int m = 0; m < R; m++) acc[m] += bv * load16(A + (size_t)m * lda + k);       \
+        }                                                                                     \
+        for (int m = 0; m < R; m++) {                                                         \
+            const float *a = A + (size_t)m * lda;                                             \
+            float s = sum16(acc[m]);                                                          \
+            for (int k = K16; k < K; k++) s += a[k] * b[k];                                   \
+            float *c = C + (size_t)m * ldc + n;                                               \
+            *c = beta == 0.f ? alpha * s : alpha * s + beta * *c;                             \
+        }                                                                                     \
+    }                                                                                         \
+}
+NT_ROWS(1) NT_ROWS(2) NT_ROWS(3) NT_ROWS(4) NT_ROWS(5) NT_ROWS(6) NT_ROWS(7) NT_ROWS(8)
+
+/* columns n0..n1 of C for R rows of A: C[m, n] = alpha * sum_k A[m, k] B[k, n] + beta * C[m, n] */
+#define NN_ROWS(R)                                                                            \
+static void nn_rows_##R(int n0, int n1, int K, float alpha, const float *A, int lda,          \
+                        const float *B, int ldb, float beta, float *C, int ldc) {             \
+    int n = n0;                                                                               \
+    for (; n + 16 <= n1; n += 16) {                                                           \
+        v16 acc[R];                                                                           \
+        for (int m = 0; m < R; m++) acc[m] = (v16){0};                                        \
+        for (int k = 0; k < K; k++) {                                                         \
+            v16 bv = load16(B + (size_t)k * ldb + n);                                         \
+            for (int m = 0; m < R; m++) acc[m] += bv * A[(size_t)m * lda + k];               \
+        }                                                                                     \
+        for (int m = 0; m < R; m++) {                                                         \
+            float *c = C + (size_t)m * ldc + n;                                               \
+            for (int i = 0; i < 16; i++)                                                      \
+                c[i] = beta == 0.f ? alpha * acc[m][i] : alpha * acc[m][i] + beta * c[i];     \
+        }                                                                                     \
+    }                                                                                         \
+    for (; n < n1; n++)                                                                       \
+        for (int m = 0; m < R; m++) {                                                         \
+            float s = 0.f;                                                                    \
+            for (int k = 0; k < K; k++) s += A[(size_t)m * lda + k] * B[(size_t)k * ldb + n]; \
+            float *c = C + (size_t)m * ldc + n;                                               \
+            *c = beta == 0.f ? alpha * s : alpha * s + beta * *c;                             \
+        }                                                                                     \
+}
+NN_ROWS(1) NN_ROWS(2) NN_ROWS(3) NN_ROWS(4) NN_ROWS(5) NN_ROWS(6) NN_ROWS(7) NN_ROWS(8)
+
+typedef void (*rows_fn)(int, int, int, float, const float *, int, const float *, int, float, float *, int);
+static const rows_fn NT[MAX_ROWS + 1] = {0, nt_rows_1, nt_rows_2, nt_rows_3, nt_rows_4,
+                                         nt_rows_5, nt_rows_6, nt_rows_7, nt_rows_8};
+static const rows_fn NN[MAX_ROWS + 1] = {0, nn_rows_1, nn_rows_2, nn_rows_3, nn_rows_4,
+                                         nn_rows_5, nn_rows_6, nn_rows_7, nn_rows_8};
+
+/* C (M, N) = alpha * A (M, K) @ op(B) + beta * C, row-major, M <= MAX_CALL_ROWS: op(B) = B (N, K).T
+ * when b_transposed, else B (K, N). Rows in groups of MAX_ROWS (each group streams B once), columns
+ * split over the threads (aligned to 16), one thread for a small B. */
+void small_gemm(int b_transposed, int M, int N, int K, float alpha, const float *A, int lda,
+                const float *B, int ldb, float beta, float *C, int ldc) {
+    const rows_fn *kernels = b_transposed ? NT : NN;
+    int parallel = (long)N * K >= PARALLEL_WORK;
+    #pragma omp parallel if (parallel)
+    {
+        int threads = 1, me = 0;
+#ifdef _OPENMP
+        threads = omp_get_num_threads();
+        me = omp_get_thread_num();
+#endif
+        int per = ((N + threads - 1) / threads + 15) & ~15;
+        int n0 = me * per < N ? me * per : N, n1 = n0 + per < N ? n0 + per : N;
+        for (int m0 = 0; m0 < M && n0 < n1; m0 += MAX_ROWS) {
+            int rows = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
+            kernels[rows](n0, n1, K, alpha, A + (size_t)m0 * lda, lda, B, ldb, beta, C + (size_t)m0 * ldc, ldc);
+        }
+    }
+}
+
+void small_gemm_init(void *openblas_sgemm) { next_sgemm = (sgemm_fn)openblas_sgemm; }
+
+void small_gemm_counts(long *here, long *forwarded) { *here = calls_here; *forwarded = calls_forwarded; }
+
+void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha, const float *A,
+                 int lda, const float *B, int ldb, float beta, float *C, int ldc) {
+    if (order == ROW_MAJOR && trans_a == NO_TRANS && (trans_b == TRANS || trans_b == NO_TRANS) &&
+        M >= 1 && M <= MAX_CALL_ROWS && K >= 1 && N >= 1) {
+        __atomic_add_fetch(&calls_here, 1, __ATOMIC_RELAXED);
+        small_gemm(trans_b == TRANS, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+        return;
+    }
+    __atomic_add_fetch(&calls_forwarded, 1, __ATOMIC_RELAXED);
+    next_sgemm(order, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
