@@ -3,12 +3,14 @@
  * MLX's CPU backend computes every float32 product as cblas_sgemm. For a decoding step that is
  * x (M, K) @ W.T with M = 1 (a plain step) or a few (a verify), and OpenBLAS 0.3.21 runs it as a
  * GEMM: it packs W into panels first, so a one-row product reads and writes the weights more than
- * once. Here one B row is streamed once for up to 8 A rows, and the step is memory-bound: the
- * default model's vocabulary projection (49152 x 576, one row) took 8.3 ms through MLX + OpenBLAS
- * and 3.5 ms here on 2 cores; 2-4 rows cost the same as one.
+ * once. Here each weight row is streamed once for up to 8 rows of x, and a step is memory-bound:
+ * on a 2-core EPYC VM the default model's vocabulary projection (49152 x 576, one row) took 8.3 ms
+ * through MLX + OpenBLAS and 3.5 ms here, its 211 weight matrices 20.6 ms for one row and 21.8 for
+ * three, and its one-token forward 55 -> 37 ms (benchmarks/results/small_gemm.md).
  *
- * Handled here: row-major, A not transposed, B transposed (MLX's x @ W.T over row-major weights),
- * 1 <= M <= 8 and a B of at least MIN_WORK elements. Everything else goes to OpenBLAS unchanged.
+ * Handled here: row-major, A not transposed, 1 <= M <= 32 (groups of 8 rows, each group streaming
+ * B once); B transposed (x @ W.T: row-major weights, attention scores) or not (x @ W: column-major
+ * weights, attention values). Everything else (a prefill's many rows) goes to OpenBLAS unchanged.
  * Each output element is one fixed sequence of vector FMAs over K and one fixed-order sum, so a
  * row's result has the same bits whatever M is (a token verified in a tree of 5 gets exactly the
  * logits it gets alone).
@@ -21,42 +23,39 @@
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112, MAX_ROWS = 8, MAX_CALL_ROWS = 32 };
 #define PARALLEL_WORK (64 * 1024)  /* elements of B below which one thread does it all */
 
-typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));  /* 8 floats: as fast as 16 here, and any AVX2 CPU has it */
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int,
                          float, float *, int);
 
 static sgemm_fn next_sgemm;  /* OpenBLAS's cblas_sgemm, set by small_gemm_init */
 static long calls_here, calls_forwarded;
 
-static inline v16 load16(const float *p) { v16 v; __builtin_memcpy(&v, p, sizeof v); return v; }
+static inline v8 load8(const float *p) { v8 v; __builtin_memcpy(&v, p, sizeof v); return v; }
 
-typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 
-static inline float sum16(v16 v) {  /* a fixed tree of halvings: the same bits whatever M is */
-    v8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
-    return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+static inline float sum8(v8 v) {  /* a fixed tree of halvings: the same bits whatever M is */
+    v4 h = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+    return (h[0] + h[2]) + (h[1] + h[3]);
 }
 
 /* rows n0..n1 of C for R rows of A: C[m, n] = alpha * dot(A[m, :], B[n, :]) + beta * C[m, n] */
 #define NT_ROWS(R)                                                                            \
 static void nt_rows_##R(int n0, int n1, int K, float alpha, const float *A, int lda,          \
                         const float *B, int ldb, float beta, float *C, int ldc) {             \
-    int K16 = K & ~15;                                                                        \
+    int K8 = K & ~7;                                                                          \
     for (int n = n0; n < n1; n++) {                                                           \
         const float *b = B + (size_t)n * ldb;                                                 \
-        v16 acc[R];                                                                           \
-        for (int m = 0; m < R; m++) acc[m] = (v16){0};                                        \
-        for (int k = 0; k < K16; k += 16) {                                                   \
-            v16 bv = load16(b + k);                                                           \
-            for (int m = 0; m < R; m++) acc[m] += bv * load16(A + (size_t)m * lda + k);       \
+        v8 acc[R];                                                                            \
+        for (int m = 0; m < R; m++) acc[m] = (v8){0};                                         \
+        for (int k = 0; k < K8; k += 8) {                                                     \
+            v8 bv = load8(b + k);                                                             \
+            for (int m = 0; m < R; m++) acc[m] += bv * load8(A + (size_t)m * lda + k);        \
         }                                                                                     \
         for (int m = 0; m < R; m++) {                                                         \
             const float *a = A + (size_t)m * lda;                                             \
-            float s = sum16(acc[m]);                                                          \
-            for (int k = K16; k < K; k++) s += a[k] * b[k];                                   \
+            float s = sum8(acc[m]);                                                           \
+            for (int k = K8; k < K; k++) s += a[k] * b[k];                                    \
             float *c = C + (size_t)m * ldc + n;                                               \
             *c = beta == 0.f ? alpha * s : alpha * s + beta * *c;                             \
         }                                                                                     \
@@ -69,16 +68,16 @@ NT_ROWS(1) NT_ROWS(2) NT_ROWS(3) NT_ROWS(4) NT_ROWS(5) NT_ROWS(6) NT_ROWS(7) NT_
 static void nn_rows_##R(int n0, int n1, int K, float alpha, const float *A, int lda,          \
                         const float *B, int ldb, float beta, float *C, int ldc) {             \
     int n = n0;                                                                               \
-    for (; n + 16 <= n1; n += 16) {                                                           \
-        v16 acc[R];                                                                           \
-        for (int m = 0; m < R; m++) acc[m] = (v16){0};                                        \
+    for (; n + 8 <= n1; n += 8) {                                                             \
+        v8 acc[R];                                                                            \
+        for (int m = 0; m < R; m++) acc[m] = (v8){0};                                         \
         for (int k = 0; k < K; k++) {                                                         \
-            v16 bv = load16(B + (size_t)k * ldb + n);                                         \
+            v8 bv = load8(B + (size_t)k * ldb + n);                                           \
             for (int m = 0; m < R; m++) acc[m] += bv * A[(size_t)m * lda + k];               \
         }                                                                                     \
         for (int m = 0; m < R; m++) {                                                         \
             float *c = C + (size_t)m * ldc + n;                                               \
-            for (int i = 0; i < 16; i++)                                                      \
+            for (int i = 0; i < 8; i++)                                                       \
                 c[i] = beta == 0.f ? alpha * acc[m][i] : alpha * acc[m][i] + beta * c[i];     \
         }                                                                                     \
     }                                                                                         \
@@ -100,7 +99,7 @@ static const rows_fn NN[MAX_ROWS + 1] = {0, nn_rows_1, nn_rows_2, nn_rows_3, nn_
 
 /* C (M, N) = alpha * A (M, K) @ op(B) + beta * C, row-major, M <= MAX_CALL_ROWS: op(B) = B (N, K).T
  * when b_transposed, else B (K, N). Rows in groups of MAX_ROWS (each group streams B once), columns
- * split over the threads (aligned to 16), one thread for a small B. */
+ * split over the threads (aligned to 8), one thread for a small B. */
 void small_gemm(int b_transposed, int M, int N, int K, float alpha, const float *A, int lda,
                 const float *B, int ldb, float beta, float *C, int ldc) {
     const rows_fn *kernels = b_transposed ? NT : NN;
@@ -112,7 +111,7 @@ void small_gemm(int b_transposed, int M, int N, int K, float alpha, const float 
         threads = omp_get_num_threads();
         me = omp_get_thread_num();
 #endif
-        int per = ((N + threads - 1) / threads + 15) & ~15;
+        int per = ((N + threads - 1) / threads + 7) & ~7;
         int n0 = me * per < N ? me * per : N, n1 = n0 + per < N ? n0 + per : N;
         for (int m0 = 0; m0 < M && n0 < n1; m0 += MAX_ROWS) {
             int rows = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
