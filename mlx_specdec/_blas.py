@@ -28,7 +28,7 @@ from typing import Optional
 
 CANDIDATES = ("libopenblas.so.0", "libopenblasp-r0.so", "libopenblas.so")
 SMALL_GEMM_SOURCE = Path(__file__).parent / "native" / "small_gemm.c"
-SMALL_GEMM_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+SMALL_GEMM_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 
 #: What was loaded, for the environment row of every benchmark.
 loaded_blas: str = "none"

@@ -34,6 +34,18 @@ static inline v8 load8(const float *p) { v8 v; __builtin_memcpy(&v, p, sizeof v)
 
 typedef float v4 __attribute__((vector_size(16)));
 
+/* acc + a * b with one rounding where the CPU has FMA, else two: the same instruction in every
+ * kernel (compiled with -ffp-contract=off, so the compiler fuses nothing on its own, differently
+ * from one kernel to the next) */
+#if defined(__FMA__) && defined(__AVX__)
+#include <immintrin.h>
+static inline v8 fma8(v8 a, v8 b, v8 acc) { return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc); }
+#else
+static inline v8 fma8(v8 a, v8 b, v8 acc) { return acc + a * b; }
+#endif
+
+static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+
 static inline float sum8(v8 v) {  /* a fixed tree of halvings: the same bits whatever M is */
     v4 h = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
     return (h[0] + h[2]) + (h[1] + h[3]);
@@ -50,7 +62,7 @@ static void nt_rows_##R(int n0, int n1, int K, float alpha, const float *A, int 
         for (int m = 0; m < R; m++) acc[m] = (v8){0};                                         \
         for (int k = 0; k < K8; k += 8) {                                                     \
             v8 bv = load8(b + k);                                                             \
-            for (int m = 0; m < R; m++) acc[m] += bv * load8(A + (size_t)m * lda + k);        \
+            for (int m = 0; m < R; m++) acc[m] = fma8(bv, load8(A + (size_t)m * lda + k), acc[m]); \
         }                                                                                     \
         for (int m = 0; m < R; m++) {                                                         \
             const float *a = A + (size_t)m * lda;                                             \
@@ -73,7 +85,7 @@ static void nn_rows_##R(int n0, int n1, int K, float alpha, const float *A, int 
         for (int m = 0; m < R; m++) acc[m] = (v8){0};                                         \
         for (int k = 0; k < K; k++) {                                                         \
             v8 bv = load8(B + (size_t)k * ldb + n);                                           \
-            for (int m = 0; m < R; m++) acc[m] += bv * A[(size_t)m * lda + k];               \
+            for (int m = 0; m < R; m++) acc[m] = fma8(bv, splat8(A[(size_t)m * lda + k]), acc[m]); \
         }                                                                                     \
         for (int m = 0; m < R; m++) {                                                         \
             float *c = C + (size_t)m * ldc + n;                                               \
