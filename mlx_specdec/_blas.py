@@ -7,7 +7,7 @@ first `import mlx.core`, so `mlx_specdec/__init__.py` imports it first.
 
 A decoding step multiplies 1-8 rows by each weight matrix, and OpenBLAS 0.3.21 runs that as a full
 GEMM that packs the weights first. `native/small_gemm.c` defines a `cblas_sgemm` of its own, loaded
-before OpenBLAS so that MLX's calls reach it: products of at most 32 rows it computes streaming each
+before OpenBLAS so that MLX's calls reach it: products of at most 64 rows it computes streaming each
 weight row once (memory-bound: the default model's one-token forward 55 -> 34 ms on a 2-core VM;
 benchmarks/results/small_gemm.md), every other call it hands to OpenBLAS unchanged. It is compiled
 once per machine (gcc or cc, -O3 -march=native -fopenmp) into the user cache; without a compiler, or

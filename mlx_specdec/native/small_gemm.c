@@ -8,7 +8,7 @@
  * through MLX + OpenBLAS and 3.5 ms here, its 211 weight matrices 20.6 ms for one row and 21.8 for
  * three, and its one-token forward 55 -> 37 ms (benchmarks/results/small_gemm.md).
  *
- * Handled here: row-major, A not transposed, 1 <= M <= 32 (groups of 8 rows, each group streaming
+ * Handled here: row-major, A not transposed, 1 <= M <= 64 (groups of 8 rows, each group streaming
  * B once); B transposed (x @ W.T: row-major weights, attention scores) or not (x @ W: column-major
  * weights, attention values). Everything else (a prefill's many rows) goes to OpenBLAS unchanged.
  * Each output element is one fixed sequence of vector FMAs over K and one fixed-order sum, so a
@@ -20,7 +20,7 @@
 #include <omp.h>
 #endif
 
-enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112, MAX_ROWS = 8, MAX_CALL_ROWS = 32 };
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112, MAX_ROWS = 8, MAX_CALL_ROWS = 64 };
 #define PARALLEL_WORK (64 * 1024)  /* elements of B below which one thread does it all */
 
 typedef float v8 __attribute__((vector_size(32)));  /* 8 floats: as fast as 16 here, and any AVX2 CPU has it */
