@@ -63,13 +63,14 @@ def build_small_gemm() -> Optional[Path]:
     target = _cache_dir() / "native" / f"small_gemm-{key}.so"
     if target.exists():
         return target
+    partial = target.with_suffix(f".{os.getpid()}.tmp")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_suffix(f".{os.getpid()}.tmp")
         subprocess.run([compiler, *SMALL_GEMM_FLAGS, str(SMALL_GEMM_SOURCE), "-o", str(partial)],
                        check=True, capture_output=True, timeout=120)
         partial.replace(target)  # a half-written library is never loaded
     except (OSError, subprocess.SubprocessError):
+        partial.unlink(missing_ok=True)  # a compiler that failed: OpenBLAS alone, nothing left behind
         return None
     return target
 

@@ -86,3 +86,12 @@ def test_it_can_be_turned_off():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "small-row" not in out.stdout and "(0, 0)" in out.stdout
+
+
+def test_a_compiler_that_fails_leaves_nothing_behind(tmp_path, monkeypatch):
+    if _blas.shutil.which(os.environ.get("CC", "gcc")) is None and _blas.shutil.which("cc") is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("MLX_SPECDEC_HOME", str(tmp_path))
+    monkeypatch.setattr(_blas, "SMALL_GEMM_FLAGS", _blas.SMALL_GEMM_FLAGS + ("-no-such-flag",))
+    assert _blas.build_small_gemm() is None
+    assert list((tmp_path / "native").iterdir()) == []
