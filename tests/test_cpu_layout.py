@@ -17,7 +17,7 @@ from mlx_specdec import masks
 from mlx_specdec.cache import ContiguousKVCache
 from mlx_specdec.model import cpu_layout
 from mlx_specdec.model.cpu_layout import (COLUMN, LAID_OUT, ROW, current_layout, is_column_major,
-                                          store_column_major, store_layout)
+                                          store_layout)
 from mlx_specdec.model.device import on_cpu
 from mlx_specdec.model.forward import forward
 from mlx_specdec.model.loader import load_model
@@ -55,7 +55,7 @@ def test_column_major_weights_keep_values_and_logits(tie):
     before = [np.array(m.weight) for m in laid_out(model)]
     expected = prefill_and_verify(model)
 
-    converted = store_column_major(model)
+    converted = store_layout(model, COLUMN)
 
     assert converted == len(laid_out(model)) == 2 * 7 + 1 + (0 if tie else 1)  # 7 matrices a layer, embedding, lm_head
     for module, values in zip(laid_out(model), before):
@@ -64,21 +64,21 @@ def test_column_major_weights_keep_values_and_logits(tie):
         assert np.array_equal(np.array(module.weight), values)
     got = prefill_and_verify(model)
     assert_same_logits(got, expected)
-    assert store_column_major(model) == 0  # already laid out
+    assert store_layout(model, COLUMN) == 0  # already laid out
 
 
 def test_quantized_and_float16_layers_are_left_alone():
     quantized = make_tiny_llama()
     nn.quantize(quantized, group_size=32, bits=4)
-    assert store_column_major(quantized) == 0
+    assert store_layout(quantized, COLUMN) == 0
     half = make_tiny_llama(dtype=mx.float16)
-    assert store_column_major(half) == 0
+    assert store_layout(half, COLUMN) == 0
     assert not any(is_column_major(m.weight) for m in laid_out(half))
 
 
 def test_a_weight_scaled_after_loading_computes_the_same_in_either_layout():
     model = make_tiny_llama()
-    store_column_major(model)
+    store_layout(model, COLUMN)
     embed = model.model.embed_tokens
     embed.weight = embed.weight / 8  # what some tests do after loading (elementwise: the layout stays)
     got = prefill_and_verify(model)
@@ -113,7 +113,7 @@ def test_column_major_is_chosen_only_when_clearly_faster():
 
 def test_measuring_the_layouts_times_both_and_leaves_the_model_as_it_was():
     model = make_tiny_llama()
-    store_column_major(model)
+    store_layout(model, COLUMN)
     measured = cpu_layout.measure_layouts(model, rounds=1)
     assert set(measured) == {ROW, COLUMN} and all(ms > 0 for ms in measured.values())
     assert current_layout(model) == COLUMN

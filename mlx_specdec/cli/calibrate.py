@@ -79,7 +79,7 @@ def remeasure_layout(lm, rounds: int) -> None:
     measured = cpu_layout.measure_layouts(lm.model, rounds)
     choice = cpu_layout.save_layout(lm.name, lm.dtype, measured, rounds)
     cpu_layout.store_layout(lm.model, choice.layout)
-    lm.layout = f"{choice.layout}-major, {choice.source}"
+    lm.layout = choice.describe()
     print(f"weights: {lm.layout}", file=sys.stderr)
 
 

@@ -52,6 +52,9 @@ class LayoutChoice(NamedTuple):
     layout: str  # ROW or COLUMN
     source: str  # why, for reports
 
+    def describe(self) -> str:
+        return f"{self.layout}-major, {self.source}"
+
 
 def is_column_major(weight: mx.array) -> bool:
     """The 2-D weight's memory holds its transpose row-major (what `column_major` makes)."""
@@ -95,10 +98,6 @@ def store_layout(model: nn.Module, layout: str) -> int:
     return count
 
 
-def store_column_major(model: nn.Module) -> int:
-    return store_layout(model, COLUMN)
-
-
 def current_layout(model: nn.Module) -> str:
     """COLUMN if the model's float32 weights are laid out column-major (judged by the first), else ROW."""
     first = next(_laid_out_weights(model), None)
@@ -107,8 +106,8 @@ def current_layout(model: nn.Module) -> str:
 
 def measure_layouts(model: nn.Module, rounds: int = LOAD_ROUNDS) -> Dict[str, float]:
     """Median over rounds of a 1-token plus a 3-token forward after PROBE_CONTEXT tokens (each the
-    faster of two), per layout; the rounds interleave the layouts so a slow spell of the machine touches both. The model is left
-    in the layout it came in."""
+    faster of two), per layout; the rounds interleave the layouts so a slow spell of the machine
+    touches both. The model is left in the layout it came in."""
     from .timing import prefilled, verify_forward
 
     start = current_layout(model)

@@ -249,8 +249,7 @@ def load_model(spec: Optional[str] = "default", dtype: str = "auto", dequantize:
     name = path.name if spec in (None, "", "default") or Path(str(spec)).exists() else str(spec)
     layout = "mlx-lm's"
     if compute == "float32" and on_cpu():  # row- or column-major, as measured fastest here (cpu_layout.py)
-        choice = apply_cpu_layout(model, name, compute)
-        layout = f"{choice.layout}-major, {choice.source}"
+        layout = apply_cpu_layout(model, name, compute).describe()
 
     if getattr(tokenizer, "chat_template", None) is None:
         tokenizer._tokenizer.chat_template = VICUNA_TEMPLATE
