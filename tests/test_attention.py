@@ -150,3 +150,41 @@ def test_redrafter_tree_tail_mask_equals_its_full_ragged_mask():
     np.testing.assert_array_equal(full[0, :, :, 7:], tail[0])  # a full row: the same everywhere
     assert full[0, 0, :, :7].all() and full[1, 0, :2, :7].all()  # real tokens see every cached slot
     np.testing.assert_array_equal(tail[1, 0, 2:, 2:], np.eye(2, dtype=bool))  # padding sees itself
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_on_cuda_a_verify_reads_its_bucket_of_keys_from_the_cache_buffer(request, monkeypatch, tree):
+    """On CUDA a verify's forward builds the bucketed mask once and reads every layer's keys that
+    far straight from the contiguous cache's buffer (past the offset: zeros, masked out), with no
+    per-layer padding copy; the logits are the ones the plain rules give."""
+    from mlx_specdec import masks
+    from mlx_specdec.cache.contiguous import ContiguousKVCache
+    from mlx_specdec.model.forward import forward
+
+    model = make_tiny_lm(seed=5).model
+    prompt = mx.array([[3 + (i * 7) % 90 for i in range(300)]])
+    parents = [-1, 0, 0] if tree else [-1, 0, 1]  # two drafts at depth 1, or a chain of two
+    draft = mx.array([[11, 12, 13]])
+    positions = masks.ragged_tree_positions(np.array([300]), [parents], 3) if tree else None
+    mask = masks.tree_tail_mask([parents], 3) if tree else None
+
+    def verify():
+        cache = ContiguousKVCache.for_model(model)
+        forward(model, prompt, cache, logits_for="none")
+        out = forward(model, draft, cache, positions=positions, mask=mask)
+        mx.eval(out.logits)
+        assert cache.offset == 303
+        return np.array(out.logits)
+
+    want = verify()
+    request.getfixturevalue("fake_cuda_gpu")
+    seen = []
+    sdpa = mx.fast.scaled_dot_product_attention
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: seen.append((q.shape[2], k.shape[2], getattr(kw["mask"], "shape", None))) or sdpa(q, k, v, **kw))
+    monkeypatch.setattr(mx, "pad", lambda *a, **kw: pytest.fail("a per-layer padding copy"))
+    got = verify()
+    verifies = [s for s in seen if s[0] == 3]
+    assert len(verifies) == len(model.model.layers)
+    assert all(keys == 2 * attention.CUDA_KEY_BUCKET and mask_shape[-1] == keys for _, keys, mask_shape in verifies)
+    assert np.allclose(got, want, atol=1e-4)

@@ -123,3 +123,46 @@ def test_batched_rows_draft_stepwise_as_deep_as_any_row_needs():
                 rows.setdefault(e.thread_id, []).append((tuple(e.tokens), e.drafted, e.accepted))
         got[stepwise] = rows
     assert got[True] == got[False]
+
+
+@pytest.mark.parametrize("lookup", [0, 3])
+def test_eager_drafts_verify_the_same_trees_in_one_host_sync_a_step(monkeypatch, lookup):
+    """--eager-drafts (a GPU's default): the whole chain in one graph, read with the acceptance, so a
+    step makes one host sync, lookup or not; the same tokens and trees as lazy drafting, which
+    syncs again for each deeper draft and for the head's drafts behind a lookup miss."""
+    import importlib
+
+    redrafter = importlib.import_module("mlx_specdec.decoding.redrafter")
+    head_proposer = importlib.import_module("mlx_specdec.drafting.head")
+    lookup_proposer = importlib.import_module("mlx_specdec.drafting.lookup")
+
+    lm = make_tiny_lm(seed=3, eos_id=96)
+    engine = engine_with(lm, oracle_head(lm, PROMPTS, corrupt=0.3))
+    syncs = {"n": 0}
+    real_read = redrafter._read
+
+    read = []  # every array read so far (kept alive, so that ids stay unique)
+
+    def counted(*arrays):
+        if not all(any(a is r for r in read) for a in arrays):  # re-reading evaluated arrays: no sync
+            syncs["n"] += 1
+        read.extend(arrays)
+        return real_read(*arrays)
+
+    monkeypatch.setattr(redrafter, "_read", counted)
+    monkeypatch.setattr(head_proposer, "read_host", counted)
+    monkeypatch.setattr(lookup_proposer, "read_host", counted)
+    options = {"beam_length": 4, "draft_cutoff": 0.3, "lookup": lookup, "verify_cost": False}
+    for prompt in PROMPTS + [REPEATING]:
+        got = {}
+        for eager in (False, True):
+            syncs["n"] = 0
+            read.clear()
+            got[eager] = steps_of(engine, prompt, eager_drafts=eager, **options) + (syncs["n"],)
+        (lazy_tokens, lazy_steps, lazy_syncs), (tokens, steps, eager_syncs) = got[False], got[True]
+        assert (tokens, steps) == (lazy_tokens, lazy_steps)
+        # the first tokens, the first drafts (unless the lookup made them), then one a step: its
+        # acceptance and the next drafts
+        assert len(steps) <= eager_syncs <= len(steps) + 1
+        assert lazy_syncs >= eager_syncs
+    assert lazy_syncs > eager_syncs  # the repeating prompt's chains: lazy went deeper behind syncs

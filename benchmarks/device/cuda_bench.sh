@@ -3,30 +3,33 @@
 # on the lent NVIDIA machine, where a few extra query tokens cost almost nothing, as on a Mac GPU.
 #
 #   bash benchmarks/device/cuda_bench.sh          # there, after the parts are in $X (below)
+#   QUICK=1 X=/tmp/xq PY=.venv/bin/python OUT=/tmp/oq bash benchmarks/device/cuda_bench.sh   # a check here
 #
-# The wheels (mlx, mlx-cuda-13, mlx-lm, platformdirs, unpacked into site/) and the 6-bit default
-# model (model/) travel as one xz'd tar split into parts ($X/part.*; benchmarks/device/pack.sh
-# makes them), carried over back-to-back calls because one call carries at most 64 MiB. Every
-# step writes its report under $OUT as it finishes, so a run stopped at its limit still returns
-# what it measured; the steps run in the order they matter.
+# The wheels (mlx, mlx-cuda-13, mlx-lm, platformdirs, unpacked into site/) and the default model's
+# GGUF (home/downloads/, converted there into the float16 and 4-bit default models) travel as one
+# xz'd tar split into parts ($X/part.*; benchmarks/device/pack.sh makes them), carried over
+# back-to-back calls because one call carries at most 64 MiB. Every step writes its report under
+# $OUT as it finishes, so a run stopped at its limit still returns what it measured; the steps run
+# in the order they matter.
 set -u
 X=${X:-/tmp/x}
 OUT=${OUT:-/tmp/out}
 PY=${PY:-python3}
-QUICK=${QUICK:-}  # set: one prompt, 8 tokens (a check of this script on a CPU)
+QUICK=${QUICK:-}  # set: one prompt, 8 tokens, one repeat (a check of this script on a CPU)
 cd "$(dirname "$0")/../.."
 mkdir -p "$OUT"
-if [ ! -d "$X/site" ] && ls "$X"/part.* >/dev/null 2>&1; then
+if [ ! -d "$X/home" ] && ls "$X"/part.* >/dev/null 2>&1; then
     cat "$X"/part.* | xz -dc -T0 | tar xf - -C "$X" || { echo "unpack failed"; exit 1; }
 fi
-export PYTHONPATH="$X/site:$PWD" PYTHONUNBUFFERED=1 MLX_SPECDEC_NO_OPENBLAS=1
-M=$X/model
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 MLX_SPECDEC_NO_OPENBLAS=1 MLX_SPECDEC_HOME="$X/home"
+[ -d "$X/site" ] && export PYTHONPATH="$X/site:$PWD"
 D=models/drafter-smollm2-135m
-LIMIT="--limit 8"; TOKENS=64
-[ -n "$QUICK" ] && { LIMIT="--limit 1"; TOKENS=8; REPEATS=1; }
+LIMIT=8; TOKENS=64; REPEATS=3; AB_REPEATS=15
+[ -n "$QUICK" ] && { LIMIT=1; TOKENS=8; REPEATS=1; AB_REPEATS=2; }
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
   $PY -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), mx.device_info())" 2>&1
+  git log -1 --format='code at %h %s' 2>&1
 } | tee "$OUT/environment.txt"
 
 LOGS=$(mktemp -d)  # logs stay there: at most 8 files come back from $OUT
@@ -37,21 +40,29 @@ step() {  # step NAME SECONDS COMMAND...: run under a limit, keep its log
     timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
     echo "   rc $? in $((SECONDS - t0)) s"; tr '\r' '\n' < "$LOGS/$name.log" | grep -v "^bench:" | tail -4
 }
-bench() {  # bench NAME SECONDS ARGS...: ar against redrafter, the report as markdown
+bench() {  # bench NAME SECONDS ARGS...: the report as markdown
     local name=$1 limit=$2; shift 2
-    step "$name" "$limit" $PY -m mlx_specdec.cli bench --model "$M" --drafter "$D" --max-tokens "$TOKENS" \
-        --format md --output "$OUT/$name.md" "$@"
+    step "$name" "$limit" $PY -m mlx_specdec.cli bench --drafter "$D" --limit "$LIMIT" --format md \
+        --output "$OUT/$name.md" "$@"
 }
 
-# The issue's figure: the chat prompts the head never saw, the shipped defaults (W1 L3 cutoff 0.2,
-# prompt lookup of 4 drafts) against the head alone (--lookup 0). Three repeats in one process: the
-# first pays MLX-CUDA's kernel compiles (a cold process's first repeat took ~80 s on an H200 in
-# 2026-11); benchmarks/device/per_repeat.py shows each apart. (The forward-cost table, float32 and
-# the W/L sweep of the first H200 run are in benchmarks/results/issue18_h200_cuda/.)
-bench unseen_native 220 --methods ar,redrafter --prompts benchmarks/chat_unseen.jsonl $LIMIT --repeats ${REPEATS:-3} \
-    --lookup 0,4
-# Longer answers repeat themselves more: where prompt lookup pays most (CPU: 1.51x at 256 tokens).
-bench unseen_native_256 200 --methods ar,redrafter --prompts benchmarks/chat_unseen.jsonl $LIMIT --repeats 2 \
-    --lookup 0,4 --max-tokens $((TOKENS * 4))
-$PY benchmarks/device/per_repeat.py "$OUT"/*.md | tee "$OUT/per_repeat.txt"
+# The real default models, converted from the GGUF as a user's first run does (float16 and 4-bit).
+step convert 150 $PY -c "from mlx_specdec.model.default import ensure_default_model as e; print(e('f16'), e('4bit'))"
+# 1. The issue's figure on the model a GPU runs by default (float16): the 8 unseen chat prompts,
+#    64 tokens, three repeats in one process (the first pays MLX-CUDA's kernel compiles;
+#    per_repeat.py shows each apart). Eager drafts (this build's GPU default: one host sync a step)
+#    against lazy ones (stepwise, the CPU's default).
+bench unseen_f16 210 --model default --methods ar,redrafter --prompts benchmarks/chat_unseen.jsonl \
+    --max-tokens "$TOKENS" --repeats "$REPEATS" --eager-drafts on,off
+# 2. A verify forward: the key bucket read once from the cache buffer (this build) against padded
+#    in every layer (before), T = 1..8 tokens; what a step's verify costs against a plain step.
+step verify_ab_f16 80 sh -c "$PY benchmarks/device/verify_ab.py --model default --context 150,1000 \
+    --tokens 1,2,3,4,6,8 --repeats $AB_REPEATS > $OUT/verify_ab_f16.md"
+# 3. The issue's 4-bit targets (`bench --model default-4bit --methods ar,redrafter,apar`), its
+#    project prompts, 48 tokens; then the 4-bit verify forward (quantized matmuls over T rows).
+bench q4 180 --model default-4bit --methods ar,redrafter,apar --max-tokens $((TOKENS * 3 / 4)) --repeats 2
+step verify_ab_q4 60 sh -c "$PY benchmarks/device/verify_ab.py --model default-4bit --context 150 \
+    --tokens 1,2,3,4,6,8 --repeats $AB_REPEATS > $OUT/verify_ab_q4.md"
+$PY benchmarks/device/per_repeat.py "$OUT"/unseen_f16.md "$OUT"/q4.md > "$OUT/per_repeat.txt" 2>&1
+cat "$OUT/per_repeat.txt"
 echo "== done"

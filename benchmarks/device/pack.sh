@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Here, before the device calls: the wheels cuda_bench.sh needs, unpacked into site/, and the
-# default model quantized to 6 bits (group 64: 109 MB, near float16's answers; float16 itself is
-# 269 MB) into model/, as one xz'd tar split into 46 MB parts, one per folder .xfer1, .xfer2, ...
-# (ignored by git), so that each call carries one part beside the 19 MB tree under its 64 MiB.
+# Here, before the device calls: what cuda_bench.sh needs, as one xz'd tar split into parts, one per
+# folder .xfer1, .xfer2, ... (ignored by git), each sized to travel beside the repository's tree
+# under a call's 64 MiB:
+#   site/   the wheels mlx, mlx-cuda-13, mlx-lm, platformdirs for Python 3.12, unpacked
+#   home/   an MLX_SPECDEC_HOME holding the default model's GGUF (downloads/), from which the
+#           engine converts the real default models there (float16 and 4-bit, as on a Mac): the
+#           float16 directory itself (269 MB) is too big to carry.
 #
 #   bash benchmarks/device/pack.sh     # then, per call: carry .xferN, cp .xferN/* /tmp/x/
 set -eu
@@ -10,18 +13,21 @@ cd "$(dirname "$0")/../.."
 grep -qx '/.xfer\*/' .git/info/exclude 2>/dev/null || echo '/.xfer*/' >> .git/info/exclude
 grep -qx '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude
 work=$(mktemp -d)
-mkdir -p .whl "$work/site"
+mkdir -p .whl "$work/site" "$work/home/downloads"
 for pkg in mlx==0.32.4 mlx-cuda-13==0.32.4 mlx-lm==0.32.2 platformdirs; do
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
         -d .whl "$pkg"
 done
 for w in .whl/*.whl; do unzip -q -o "$w" -d "$work/site"; done  # what pip install --target makes
-.venv/bin/python -m mlx_lm convert --hf-path "$HOME/.cache/mlx-specdec/models/SmolLM2-135M-Instruct-f16" \
-    --mlx-path "$work/model" -q --q-bits 6 --q-group-size 64
+gguf=$(.venv/bin/python -c "from mlx_specdec.model.default import fetch_gguf; print(fetch_gguf(quiet=True))")
+cp "$gguf" "$work/home/downloads/"
 rm -rf .xfer*
-(cd "$work" && tar cf - site model | xz -6 -T0) | split -b 46000000 -d -a 1 - "$work/part."
+# A call carries the tree (tracked and untracked files git does not ignore) and one part: 64 MiB.
+tree=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- | tail -1 | cut -f1)
+part=$((64 * 1024 * 1024 - tree - 1000000))
+(cd "$work" && tar cf - site home | xz -6 -T0) | split -b "$part" -d -a 1 - "$work/part."
 i=1
-for part in "$work"/part.*; do mkdir -p ".xfer$i"; mv "$part" ".xfer$i/"; i=$((i + 1)); done
+for p in "$work"/part.*; do mkdir -p ".xfer$i"; mv "$p" ".xfer$i/"; i=$((i + 1)); done
 rm -rf "$work"
 du -b .xfer*/*

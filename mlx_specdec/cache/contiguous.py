@@ -38,6 +38,14 @@ class ContiguousLayerCache:
         self.offset = start + n
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
+    def fetch_to(self, width: int):
+        """Keys and values (B, Hkv, width, Dh): the buffer's first `width` >= offset positions, for an
+        attention whose mask hides every one past the offset (they hold zeros or dropped tokens, all
+        finite). A CUDA verify attends a bucket of keys this way (model/attention.py) without copying."""
+        if width > self.capacity:
+            self._grow(self.keys, self.values, width)
+        return self.keys[..., :width, :], self.values[..., :width, :]
+
     def _grow(self, keys: mx.array, values: mx.array, needed: int):
         B, H, _, Dk = keys.shape
         Dv = values.shape[3]

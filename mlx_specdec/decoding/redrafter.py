@@ -49,6 +49,7 @@ from ..drafting.base import read_host as _read
 from ..drafting.lookup import LookupFirst
 from ..drafting.verify_cost import RateMeter, worth_verifying
 from ..errors import UserError
+from ..model.device import on_cpu
 from ..model.forward import forward
 from .base import DecodeContext, Step, new_contiguous_cache, prefill_rows
 
@@ -96,9 +97,14 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     embed = model.model.embed_tokens
     greedy = params.greedy
     eos = ctx.lm.eos_token_ids
-    # Greedy chains are drafted one depth at a time, only as deep as the cutoff lets a step verify
-    # (drafting/head.py); with no cutoff every draft is verified, so all are made in one graph.
-    stepwise = bool(ctx.params.options.get("stepwise_draft", True)) and cutoff > 0
+    # Eager (a GPU's default): the head drafts every depth in one graph, read with the acceptance in
+    # the step's one host sync, lookup or not: there a sync costs more than the head's work. Lazy (the
+    # CPU's): greedy chains are drafted one depth at a time, only as deep as the cutoff lets a step
+    # verify (drafting/head.py), and the head's drafts are read only where the lookup found none: here
+    # each depth's vocabulary projection costs ~3 ms. With no cutoff every draft is made in one graph.
+    eager = ctx.params.options.get("eager_drafts")
+    eager = not on_cpu() if eager is None else bool(eager)
+    stepwise = bool(ctx.params.options.get("stepwise_draft", not eager)) and cutoff > 0
     proposer = HeadProposer(head, embed, width, length, vocab=int(model.args.vocab_size),
                             temperature=0.0 if greedy else params.temperature, stepwise=stepwise)
     lookup = LookupFirst(lookup_drafts, vocab=int(model.args.vocab_size)) if lookup_drafts > 0 else None
@@ -251,7 +257,9 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
                     result.beam, result.num_accepted, result.next_token, drafts.beams, drafts.owner, drafts.confidence)
             else:
                 # Host sync: the acceptance results; the lookup needs the next own token on the host.
-                best, accepted, token = _read(result.beam, result.num_accepted, result.next_token)
+                # Eager: the head's drafts come along, so the lookup reads them without a sync.
+                head_drafts = (drafts.beams, drafts.owner, drafts.confidence) if eager else ()
+                best, accepted, token, *_ = _read(result.beam, result.num_accepted, result.next_token, *head_drafts)
                 lookup.commit([beams[b, best[b], : accepted[b] + 1] for b in range(len(rows))], verified=step_length - 1)
                 drafts, next_beams, next_owner, next_confidence, next_from_lookup = lookup.draft(drafts, token)
             mark("sync_s", t0)

@@ -93,23 +93,48 @@ def use_grouped(queries: mx.array, keys: mx.array) -> bool:
     return _grouped_for(keys.shape[2])
 
 
-def bucket_keys(queries: mx.array, keys: mx.array, values: mx.array, mask: Mask):
-    """keys, values (B, Hkv, S, Dh) padded to the next multiple of CUDA_KEY_BUCKET, and the mask as a
-    full-width one over them that hides the padding: the same attention, a shape seen before."""
-    T, S = queries.shape[2], keys.shape[2]
-    extra = -(-S // CUDA_KEY_BUCKET) * CUDA_KEY_BUCKET - S
-    if extra == 0:
-        return keys, values, mask
+def key_bucket(keys: int) -> int:
+    """The key count a CUDA verify over `keys` keys attends: the next multiple of CUDA_KEY_BUCKET."""
+    return -(-keys // CUDA_KEY_BUCKET) * CUDA_KEY_BUCKET
+
+
+def verify_key_bucket(queries: int, cached: int | None) -> int | None:
+    """On CUDA, the key count a verify of `queries` tokens over `cached` cached ones attends (the
+    forward builds its mask for that width once, and reads that far in the cache's buffer); else None."""
+    if cached is None or not _verify_on_cuda(queries):
+        return None
+    return key_bucket(cached + queries)
+
+
+def bucket_mask(mask: Mask, queries: int, keys: int, width: int) -> mx.array:
+    """Any mask over `keys` keys (None, "causal", tail or full) as a full-width one over `width` >=
+    `keys` keys that hides every key past `keys`; one already `width` wide unchanged."""
+    if isinstance(mask, mx.array) and mask.shape[-1] == width:
+        return mask
     if mask is None:
-        mask = mx.ones((T, S), dtype=mx.bool_)
+        mask = mx.ones((queries, keys), dtype=mx.bool_)
     elif isinstance(mask, str):  # "causal", bottom-right aligned
-        mask = masks.causal_mask(T, S - T)
+        mask = masks.causal_mask(queries, keys - queries)
     else:
-        mask = _with_visible_prefix(mask, S)
+        mask = _with_visible_prefix(mask, keys)
+    extra = width - keys
+    if extra == 0:
+        return mask
     hidden = mx.zeros(mask.shape[:-1] + (extra,), dtype=mx.bool_) if mask.dtype == mx.bool_ else \
         mx.full(mask.shape[:-1] + (extra,), -math.inf, dtype=mask.dtype)
-    widths = [(0, 0), (0, 0), (0, extra), (0, 0)]
-    return mx.pad(keys, widths), mx.pad(values, widths), mx.concatenate([mask, hidden], axis=-1)
+    return mx.concatenate([mask, hidden], axis=-1)
+
+
+def bucket_keys(queries: mx.array, keys: mx.array, values: mx.array, mask: Mask):
+    """keys, values (B, Hkv, S, Dh) padded to the next multiple of CUDA_KEY_BUCKET, and the mask as a
+    full-width one over them that hides the padding: the same attention, a shape seen before.
+    (A forward over a cache that reads its buffer that far, `forward.attention`, pads nothing here.)"""
+    T, S = queries.shape[2], keys.shape[2]
+    width = key_bucket(S)
+    if width == S:
+        return keys, values, mask
+    padding = [(0, 0), (0, 0), (0, width - S), (0, 0)]
+    return mx.pad(keys, padding), mx.pad(values, padding), bucket_mask(mask, T, S, width)
 
 
 def _with_visible_prefix(mask: mx.array, keys: int) -> mx.array:

@@ -19,7 +19,7 @@ from typing import Any, Literal, Optional, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from .attention import Mask, attention_over_cache, widen_tail_mask
+from .attention import Mask, attention_over_cache, bucket_mask, verify_key_bucket, widen_tail_mask
 from .device import on_cpu
 
 
@@ -65,7 +65,10 @@ def rope_at(rope: nn.Module, x: mx.array, positions: mx.array) -> mx.array:
     return rotated.reshape(B, L, H, D).transpose(0, 2, 1, 3)  # (B, H, L, D)
 
 
-def attention(attn: nn.Module, x: mx.array, positions: Optional[mx.array], cache: Any, mask: Mask):
+def attention(attn: nn.Module, x: mx.array, positions: Optional[mx.array], cache: Any, mask: Mask,
+              key_bucket: Optional[int] = None):
+    """key_bucket: on CUDA, the key count a verify attends (`attention.verify_key_bucket`): a cache
+    reads its buffer that far (`fetch_to`), the mask hiding what lies past the tokens."""
     B, L, _ = x.shape
     queries = attn.q_proj(x).reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)  # (B, Hq, L, Dh)
     keys = attn.k_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)  # (B, Hkv, L, Dh)
@@ -84,13 +87,15 @@ def attention(attn: nn.Module, x: mx.array, positions: Optional[mx.array], cache
         if observe is not None:
             observe(queries)
         keys, values = cache.update_and_fetch(keys, values)
+        if key_bucket is not None:
+            keys, values = cache.fetch_to(key_bucket)  # no per-layer copy into a padded array
 
     out = attention_over_cache(queries, keys, values, attn.scale, mask)  # (B, Hq, L, Dh)
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))  # (B, L, D)
 
 
-def transformer_block(layer: nn.Module, x: mx.array, positions, cache, mask) -> mx.array:
-    h = x + attention(layer.self_attn, layer.input_layernorm(x), positions, cache, mask)
+def transformer_block(layer: nn.Module, x: mx.array, positions, cache, mask, key_bucket=None) -> mx.array:
+    h = x + attention(layer.self_attn, layer.input_layernorm(x), positions, cache, mask, key_bucket)
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
@@ -124,11 +129,15 @@ def forward(
     if mask is None and h.shape[1] > 1:
         mask = "causal"
     cached = getattr(cache, "offset", None)  # sequence caches; a thread pool has none (full masks)
-    if isinstance(mask, mx.array) and cached is not None:
-        mask = widen_tail_mask(mask, cached + h.shape[1])  # once here for every layer
     layer_caches = cache.layers if cache is not None else [None] * len(inner.layers)
+    # a cache whose layers can read their buffer past the offset (contiguous); others pad per layer
+    key_bucket = verify_key_bucket(h.shape[1], cached) if hasattr(layer_caches[0], "fetch_to") else None
+    if key_bucket is not None:  # a verify on CUDA: its mask over the bucket of keys, once for every layer
+        mask = bucket_mask(mask, h.shape[1], cached + h.shape[1], key_bucket)
+    elif isinstance(mask, mx.array) and cached is not None:
+        mask = widen_tail_mask(mask, cached + h.shape[1])  # once here for every layer
     for layer, layer_cache in zip(inner.layers, layer_caches):
-        h = transformer_block(layer, h, positions, layer_cache, mask)
+        h = transformer_block(layer, h, positions, layer_cache, mask, key_bucket)
     hidden = inner.norm(h)
 
     if isinstance(logits_for, str):
