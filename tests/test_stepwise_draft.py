@@ -127,7 +127,7 @@ def test_batched_rows_draft_stepwise_as_deep_as_any_row_needs():
 
 @pytest.mark.parametrize("lookup", [0, 3])
 def test_eager_drafts_verify_the_same_trees_in_one_host_sync_a_step(monkeypatch, lookup):
-    """--eager-drafts (a GPU's default): the whole chain in one graph, read with the acceptance, so a
+    """--eager-drafts on: the whole chain in one graph, read with the acceptance, so a
     step makes one host sync, lookup or not; the same tokens and trees as lazy drafting, which
     syncs again for each deeper draft and for the head's drafts behind a lookup miss."""
     import importlib

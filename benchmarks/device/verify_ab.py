@@ -1,6 +1,8 @@
-"""What a T-token verify forward costs on CUDA with its key bucket read from the cache buffer once
-per forward (model/forward.py, as shipped) against padding the keys and the mask in every layer
-(attention.bucket_keys, as before), in one process, interleaved; and T tokens against one.
+"""What a T-token verify forward costs on CUDA, three ways in one process, interleaved, and T tokens
+against one: as shipped (a chain, the causal mask, attends per query with MLX's one-query kernel;
+a tree reads its key bucket from the cache buffer once per forward, model/forward.py); every verify
+bucketed once (chains too, masked); and the keys and mask padded in every layer (attention.bucket_keys,
+as before).
 
     python benchmarks/device/verify_ab.py --model default --context 150,1000 --tokens 1,2,3,4,6,8
 
@@ -22,6 +24,14 @@ from mlx_specdec.model.forward import forward
 from mlx_specdec.model.timing import prefilled
 
 forward_module = importlib.import_module("mlx_specdec.model.forward")  # the package re-exports `forward`
+attention_module = importlib.import_module("mlx_specdec.model.attention")
+SHIPPED_CHAIN, SHIPPED_BUCKET = attention_module._chain_on_cuda, forward_module.verify_key_bucket
+PATHS = ("shipped", "bucket once", "pad per layer")
+
+
+def use(path: str) -> None:
+    attention_module._chain_on_cuda = SHIPPED_CHAIN if path == "shipped" else (lambda queries, mask: False)
+    forward_module.verify_key_bucket = (lambda *args: None) if path == "pad per layer" else SHIPPED_BUCKET
 
 
 def timed(model, cache, tokens: int, tree: bool) -> float:
@@ -47,8 +57,7 @@ def main() -> None:
     args = parser.parse_args()
     lm = Engine.load(args.model, drafter=None, apar_adapter=None).lm
     model = lm.model
-    shipped_bucket = forward_module.verify_key_bucket
-    paths = {"bucket once": shipped_bucket, "pad per layer": lambda queries, cached: None}
+    paths = PATHS
     print(f"model {args.model} ({lm.dtype}), device {mx.default_device()}, median of {args.repeats} "
           "after 3 warm-ups, interleaved\n")
     print("| context | mask | T | " + " | ".join(f"{p} ms | x T=1" for p in paths) + " |")
@@ -60,12 +69,12 @@ def main() -> None:
             for tokens in (int(t) for t in args.tokens.split(",")):
                 times = {p: [] for p in paths}
                 for i in range(args.repeats + 3):
-                    for name, rule in paths.items():  # interleaved: drift hits both alike
-                        forward_module.verify_key_bucket = rule
+                    for name in paths:  # interleaved: drift hits all alike
+                        use(name)
                         elapsed = timed(model, cache, tokens, tree)
                         if i >= 3:
                             times[name].append(elapsed)
-                forward_module.verify_key_bucket = shipped_bucket
+                use("shipped")
                 cells = []
                 for name in paths:
                     ms = 1000 * float(np.median(times[name]))

@@ -103,10 +103,9 @@ METHOD_SETTINGS = [
      "0 = the head only (default: 4)", _nonnegative_int),
     ("redrafter", "eager_drafts", "--eager-drafts",
      "on = the head drafts every depth in one graph, read with the acceptance in the step's one host "
-     "sync (a GPU: a sync costs more there than the head's work); off = each depth only when the "
-     "cutoff could verify it, behind a sync of its own, and the head's drafts only where prompt lookup "
-     "found none (the CPU: each depth's vocabulary projection costs ~3 ms) (default: on on a GPU, off "
-     "on the CPU)", _on_off),
+     "sync; off = each depth only when the cutoff could verify it, behind a sync of its own, and the "
+     "head's drafts only where prompt lookup found none (on the CPU each depth's vocabulary projection "
+     "costs ~3 ms; on an H200 the two tied) (default: off)", _on_off),
     ("redrafter", "verify_cost", "--verify-cost",
      "on = of the drafts the cutoff keeps, verify only as deep as they are worth at this context "
      "length's measured verify cost (this machine's table from `mlx-specdec calibrate`, else one shipped "

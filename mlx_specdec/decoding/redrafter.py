@@ -49,7 +49,6 @@ from ..drafting.base import read_host as _read
 from ..drafting.lookup import LookupFirst
 from ..drafting.verify_cost import RateMeter, worth_verifying
 from ..errors import UserError
-from ..model.device import on_cpu
 from ..model.forward import forward
 from .base import DecodeContext, Step, new_contiguous_cache, prefill_rows
 
@@ -64,6 +63,7 @@ DEFAULT_DRAFT_TRUST = True  # ... times what it has earned in this answer (draft
 # before, draft the 4 tokens that followed it instead of the head's (benchmarks/results/
 # issue18_lookup_unseen.md: 8 unseen chats, 64 tokens, 1.27x -> 1.33x; 256 tokens 1.24x -> 1.51x).
 DEFAULT_LOOKUP = 4
+DEFAULT_EAGER_DRAFTS = False  # lazy: drafts made and read only as deep as a step can verify
 DEFAULT_VERIFY_COST = True  # verify the depth worth its cost at this context (drafting/verify_cost.py)
 PHASES = ("draft_s", "pack_s", "verify_s", "accept_s", "sync_s")
 
@@ -97,13 +97,13 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     embed = model.model.embed_tokens
     greedy = params.greedy
     eos = ctx.lm.eos_token_ids
-    # Eager (a GPU's default): the head drafts every depth in one graph, read with the acceptance in
-    # the step's one host sync, lookup or not: there a sync costs more than the head's work. Lazy (the
-    # CPU's): greedy chains are drafted one depth at a time, only as deep as the cutoff lets a step
-    # verify (drafting/head.py), and the head's drafts are read only where the lookup found none: here
-    # each depth's vocabulary projection costs ~3 ms. With no cutoff every draft is made in one graph.
-    eager = ctx.params.options.get("eager_drafts")
-    eager = not on_cpu() if eager is None else bool(eager)
+    # Lazy (the default): greedy chains are drafted one depth at a time, only as deep as the cutoff
+    # lets a step verify (drafting/head.py), and the head's drafts are read only where the lookup
+    # found none: on the CPU each depth's vocabulary projection costs ~3 ms. Eager: every depth in one
+    # graph, read with the acceptance in the step's one host sync; on an H200 the two tied (0.70x vs
+    # 0.70x of `ar`; benchmarks/results/issue18_h200_cuda/), so the CPU's rule stays everywhere.
+    # With no cutoff every draft is made in one graph.
+    eager = bool(ctx.params.options.get("eager_drafts", DEFAULT_EAGER_DRAFTS))
     stepwise = bool(ctx.params.options.get("stepwise_draft", not eager)) and cutoff > 0
     proposer = HeadProposer(head, embed, width, length, vocab=int(model.args.vocab_size),
                             temperature=0.0 if greedy else params.temperature, stepwise=stepwise)
