@@ -154,9 +154,9 @@ def test_redrafter_tree_tail_mask_equals_its_full_ragged_mask():
 
 @pytest.mark.parametrize("tree", [False, True])
 def test_on_cuda_a_verify_reads_its_bucket_of_keys_from_the_cache_buffer(request, monkeypatch, tree):
-    """On CUDA a tree verify's forward builds the bucketed mask once and reads every layer's keys that
+    """On CUDA a verify's forward builds the bucketed mask once and reads every layer's keys that
     far straight from the contiguous cache's buffer (past the offset: zeros, masked out), with no
-    per-layer padding copy; a chain attends per query; the logits are the ones the plain rules give."""
+    per-layer padding copy; the logits are the ones the plain rules give."""
     from mlx_specdec import masks
     from mlx_specdec.cache.contiguous import ContiguousKVCache
     from mlx_specdec.model.forward import forward
@@ -185,35 +185,17 @@ def test_on_cuda_a_verify_reads_its_bucket_of_keys_from_the_cache_buffer(request
                         or sdpa(q, k, v, **kw))
     monkeypatch.setattr(mx, "pad", lambda *a, **kw: pytest.fail("a per-layer padding copy"))
     got = verify()
-    layers = len(model.model.layers)
-    if tree:  # one masked attention per layer over the bucket of keys
-        verifies = [s for s in seen if s[0] == 3]
-        assert len(verifies) == layers
-        assert all(keys == 2 * attention.CUDA_KEY_BUCKET and mask_shape[-1] == keys for _, keys, mask_shape in verifies)
-    else:  # the chain: per query, over its own prefix, unmasked (the prefill's own attention aside)
-        assert [s for s in seen if s[0] == 1] == [(1, 301, None), (1, 302, None), (1, 303, None)] * layers
+    verifies = [s for s in seen if s[0] == 3]  # one masked attention per layer over the bucket of keys
+    assert len(verifies) == len(model.model.layers)
+    assert all(keys == 2 * attention.CUDA_KEY_BUCKET and mask_shape[-1] == keys for _, keys, mask_shape in verifies)
     assert np.allclose(got, want, atol=1e-4)
-
-
-def test_on_cuda_a_short_chain_attends_per_query_as_the_causal_mask_does(fake_cuda_gpu):
-    """A causal verify of 2-8 queries: one one-query attention per query over its own prefix, the
-    values the causal mask gives; a longer one or another mask keeps the bucketed path."""
-    T, S = 4, 300
-    q, k, v = random_qkv(1, 9, 3, T, S)
-    want = fused(q, k, v, "causal")
-    got = attention.attention_over_cache(q, k, v, 0.125, "causal")
-    assert np.allclose(np.array(got), np.array(want), atol=1e-5)
-    assert attention._chain_on_cuda(T, "causal") and attention.verify_key_bucket(T, 296, "causal") is None
-    assert not attention._chain_on_cuda(attention.CUDA_CHAIN_MAX_QUERIES + 1, "causal")
-    assert not attention._chain_on_cuda(1, "causal") and not attention._chain_on_cuda(T, None)
-    assert attention.verify_key_bucket(T, 296, mx.ones((T, T), dtype=mx.bool_)) == 2 * attention.CUDA_KEY_BUCKET
 
 
 @pytest.mark.parametrize("options", [{"beam_width": 1, "beam_length": 4, "draft_cutoff": 0.0},
                                      {"beam_width": 2, "beam_length": 4, "draft_cutoff": 0.0}])
 def test_redrafter_on_cuda_rules_keeps_greedy_identity(fake_cuda_gpu, options):
-    """With the CUDA rules (a chain attends per query, a tree over a bucket of keys read from the
-    cache buffer), ReDrafter's greedy answer is still `ar`'s."""
+    """With the CUDA rules (a verify attends a bucket of keys read from the cache buffer under a mask
+    built once), ReDrafter's greedy answer is still `ar`'s, for a chain and for a tree."""
     from test_redrafter import PROMPTS, engine_with, oracle_head
 
     lm = make_tiny_lm(seed=3, eos_id=96)

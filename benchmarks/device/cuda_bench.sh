@@ -48,9 +48,8 @@ bench() {  # bench NAME SECONDS ARGS...: the report as markdown
 
 # The real default models, converted from the GGUF as a user's first run does (float16 and 4-bit).
 step convert 150 $PY -c "from mlx_specdec.model.default import ensure_default_model as e; print(e('f16'), e('4bit'))"
-# 1. A verify forward, T = 1..8 tokens against one: as shipped (a chain attends per query with MLX's
-#    one-query kernel, a tree over a key bucket read once from the cache buffer), every verify
-#    bucketed once, and padded in every layer (the build before this one).
+# 1. A verify forward, T = 1..8 tokens against one: its key bucket read from the cache buffer and
+#    its mask built once per forward (this build), against padded in every layer (the build before).
 step verify_ab_f16 60 sh -c "$PY benchmarks/device/verify_ab.py --model default --context 150,1000 \
     --tokens 1,2,3,4,6,8 --repeats $AB_REPEATS > $OUT/verify_ab_f16.md"
 # 2. The issue's figure on the model a GPU runs by default (float16): the 8 unseen chat prompts,

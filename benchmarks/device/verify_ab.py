@@ -1,8 +1,8 @@
-"""What a T-token verify forward costs on CUDA, three ways in one process, interleaved, and T tokens
-against one: as shipped (a chain, the causal mask, attends per query with MLX's one-query kernel;
-a tree reads its key bucket from the cache buffer once per forward, model/forward.py); every verify
-bucketed once (chains too, masked); and the keys and mask padded in every layer (attention.bucket_keys,
-as before).
+"""What a T-token verify forward costs on CUDA, two ways in one process, interleaved, and T tokens
+against one: as shipped (the key bucket read from the cache buffer and its mask built once per
+forward, model/forward.py), and the keys and mask padded in every layer (attention.bucket_keys,
+the build before). (At b28d02e a third column timed chains attending per query: dropped, slower
+over 1000 keys.)
 
     python benchmarks/device/verify_ab.py --model default --context 150,1000 --tokens 1,2,3,4,6,8
 
@@ -24,13 +24,11 @@ from mlx_specdec.model.forward import forward
 from mlx_specdec.model.timing import prefilled
 
 forward_module = importlib.import_module("mlx_specdec.model.forward")  # the package re-exports `forward`
-attention_module = importlib.import_module("mlx_specdec.model.attention")
-SHIPPED_CHAIN, SHIPPED_BUCKET = attention_module._chain_on_cuda, forward_module.verify_key_bucket
-PATHS = ("shipped", "bucket once", "pad per layer")
+SHIPPED_BUCKET = forward_module.verify_key_bucket
+PATHS = ("bucket once", "pad per layer")
 
 
 def use(path: str) -> None:
-    attention_module._chain_on_cuda = SHIPPED_CHAIN if path == "shipped" else (lambda queries, mask: False)
     forward_module.verify_key_bucket = (lambda *args: None) if path == "pad per layer" else SHIPPED_BUCKET
 
 
@@ -74,7 +72,7 @@ def main() -> None:
                         elapsed = timed(model, cache, tokens, tree)
                         if i >= 3:
                             times[name].append(elapsed)
-                use("shipped")
+                use("bucket once")
                 cells = []
                 for name in paths:
                     ms = 1000 * float(np.median(times[name]))

@@ -78,31 +78,15 @@ def _grouped_for(keys: int) -> bool:
 #: (queries, keys) shape (25 ms against a 4 ms forward on an H200: benchmarks/results/issue18_h200_cuda/),
 #: and a verify meets a new key count every step. The composed path instead paid per-shape costs
 #: of its own (redrafter 0.41x of `ar` in every repeat, 2026-11-26). So a verify (up to this many
-#: queries) pads its keys, masked out, to a multiple of CUDA_KEY_BUCKET: one graph per bucket.
+#: queries) pads its keys, masked out, to a multiple of CUDA_KEY_BUCKET: one graph per bucket. (A
+#: chain attending per query with MLX's one-query kernel instead was ~10% cheaper over 150 keys and
+#: 20-65% dearer over 1000: third H200 lease, lease4_verify_ab_f16_per_query.md.)
 CUDA_VERIFY_MAX_QUERIES = 64
 CUDA_KEY_BUCKET = 256
-#: A chain (the causal mask: ReDrafter's one beam, a lookup's drafts) of at most this many queries
-#: runs MLX's one-query kernel once per query over that query's own prefix instead: no mask, no
-#: padding, no cuDNN graph. On an H200 a masked bucketed verify of 2-8 tokens cost 2.3-3.5x a
-#: one-token forward (benchmarks/results/issue18_h200_cuda/, third lease).
-CUDA_CHAIN_MAX_QUERIES = 8
 
 
 def _verify_on_cuda(queries: int) -> bool:
     return 1 < queries <= CUDA_VERIFY_MAX_QUERIES and on_cuda()
-
-
-def _chain_on_cuda(queries: int, mask: Mask) -> bool:
-    return isinstance(mask, str) and mask == "causal" and 1 < queries <= CUDA_CHAIN_MAX_QUERIES and on_cuda()
-
-
-def per_query_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
-    """A causal chain of T queries over S keys (the last T its own) as T one-query attentions, query t
-    over the first S - T + t + 1 keys: (B, Hq, T, Dh). The same attention as the causal mask's."""
-    T, S = queries.shape[2], keys.shape[2]
-    rows = [mx.fast.scaled_dot_product_attention(queries[:, :, t:t + 1], keys[:, :, : S - T + t + 1],
-                                                 values[:, :, : S - T + t + 1], scale=scale) for t in range(T)]
-    return mx.concatenate(rows, axis=2)
 
 
 def use_grouped(queries: mx.array, keys: mx.array) -> bool:
@@ -116,11 +100,10 @@ def key_bucket(keys: int) -> int:
     return -(-keys // CUDA_KEY_BUCKET) * CUDA_KEY_BUCKET
 
 
-def verify_key_bucket(queries: int, cached: int | None, mask: Mask) -> int | None:
+def verify_key_bucket(queries: int, cached: int | None) -> int | None:
     """On CUDA, the key count a verify of `queries` tokens over `cached` cached ones attends (the
-    forward builds its mask for that width once, and reads that far in the cache's buffer); else None
-    (a short chain attends per query, unpadded)."""
-    if cached is None or not _verify_on_cuda(queries) or _chain_on_cuda(queries, mask):
+    forward builds its mask for that width once, and reads that far in the cache's buffer); else None."""
+    if cached is None or not _verify_on_cuda(queries):
         return None
     return key_bucket(cached + queries)
 
@@ -243,8 +226,6 @@ def attention_over_cache(queries: mx.array, keys: mx.array, values: mx.array, sc
     """The attention every forward uses: the grouped path where it pays, else MLX's own."""
     if use_grouped(queries, keys):
         return grouped_attention(queries, keys, values, scale, mask)
-    if _chain_on_cuda(queries.shape[2], mask):
-        return per_query_attention(queries, keys, values, scale)
     mask = full_width(mask, queries, keys)
     if _verify_on_cuda(queries.shape[2]):
         keys, values, mask = bucket_keys(queries, keys, values, mask)

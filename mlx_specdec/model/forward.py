@@ -131,7 +131,7 @@ def forward(
     cached = getattr(cache, "offset", None)  # sequence caches; a thread pool has none (full masks)
     layer_caches = cache.layers if cache is not None else [None] * len(inner.layers)
     # a cache whose layers can read their buffer past the offset (contiguous); others pad per layer
-    key_bucket = verify_key_bucket(h.shape[1], cached, mask) if hasattr(layer_caches[0], "fetch_to") else None
+    key_bucket = verify_key_bucket(h.shape[1], cached) if hasattr(layer_caches[0], "fetch_to") else None
     if key_bucket is not None:  # a verify on CUDA: its mask over the bucket of keys, once for every layer
         mask = bucket_mask(mask, h.shape[1], cached + h.shape[1], key_bucket)
     elif isinstance(mask, mx.array) and cached is not None:
