@@ -80,7 +80,8 @@ def _grouped_for(keys: int) -> bool:
 #: of its own (redrafter 0.41x of `ar` in every repeat, 2026-11-26). So a verify (up to this many
 #: queries) pads its keys, masked out, to a multiple of CUDA_KEY_BUCKET: one graph per bucket. (A
 #: chain attending per query with MLX's one-query kernel instead was ~10% cheaper over 150 keys and
-#: 20-65% dearer over 1000: third H200 lease, lease4_verify_ab_f16_per_query.md.)
+#: 20-65% dearer over 1000: issue18_h200_cuda/lease4_verify_ab_f16_per_query.md.) The forward reads
+#: the bucket straight from a contiguous cache's buffer, its mask built once (`verify_key_bucket`).
 CUDA_VERIFY_MAX_QUERIES = 64
 CUDA_KEY_BUCKET = 256
 
