@@ -22,6 +22,15 @@
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112, MAX_ROWS = 8, MAX_CALL_ROWS = 64 };
 #define PARALLEL_WORK (64 * 1024)  /* elements of B below which one thread does it all */
+/* From 3 rows of A on, a weight row takes long enough to compute that the hardware prefetcher falls
+ * behind the stream of B and the loads stop overlapping the FMAs: 4 rows cost 1.4x one row and 8 rows
+ * 2.3x over the default model's 211 matrices on the 2-core EPYC VM. Asking for B 16 KB ahead, into
+ * L2, brings 4 rows down to one row's time and 8 rows to 1.3x (benchmarks/results/small_gemm_prefetch.md).
+ * For 1-2 rows it costs a little, so they go without. Past the end of B a prefetch is a no-op. */
+#ifndef PREFETCH_MIN_ROWS  /* benchmarks/small_gemm_rows.py builds it with 99 to compare */
+#define PREFETCH_MIN_ROWS 3
+#endif
+enum { PREFETCH_AHEAD = 4096 /* floats */, PREFETCH_TO_L2 = 1 /* __builtin_prefetch's locality */ };
 
 typedef float v8 __attribute__((vector_size(32)));  /* 8 floats: as fast as 16 here, and any AVX2 CPU has it */
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int,
@@ -61,6 +70,8 @@ static void nt_rows_##R(int n0, int n1, int K, float alpha, const float *A, int 
         v8 acc[R];                                                                            \
         for (int m = 0; m < R; m++) acc[m] = (v8){0};                                         \
         for (int k = 0; k < K8; k += 8) {                                                     \
+            if (R >= PREFETCH_MIN_ROWS && !(k & 15))  /* once a 64-byte line */                \
+                __builtin_prefetch(b + k + PREFETCH_AHEAD, 0, PREFETCH_TO_L2);                  \
             v8 bv = load8(b + k);                                                             \
             for (int m = 0; m < R; m++) acc[m] = fma8(bv, load8(A + (size_t)m * lda + k), acc[m]); \
         }                                                                                     \

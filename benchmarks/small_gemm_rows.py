@@ -1,0 +1,76 @@
+"""The small-row GEMM (mlx_specdec/native/small_gemm.c) over the default model's weight matrices, for
+1..8 rows of x, with its prefetch of the weights and without, interleaved in one process.
+
+    python benchmarks/small_gemm_rows.py [--rows 1,2,3,4,5,6,8] [--repeats 15]
+
+A verify multiplies a few rows by every weight matrix; the kernel streams each weight row once for
+up to 8 rows. Memory-bound for 1-3 rows; from ~4 rows on the FMAs take long enough that, without
+help, the hardware prefetcher falls behind the weight stream. Builds the kernel twice into a
+temporary folder (as mlx_specdec/_blas.py does, once with PREFETCH_MIN_ROWS=99: no prefetch), calls
+`small_gemm` directly on float32 copies of the model's 2-D weights (x @ W.T, both threads), and
+prints the median milliseconds for all of them per row count, and whether both give the same bits.
+"""
+
+import argparse
+import ctypes
+import subprocess
+import tempfile
+from pathlib import Path
+
+import mlx_specdec  # noqa: F401  (preloads OpenBLAS before mlx)
+from mlx_specdec import _blas
+import numpy as np
+from mlx.utils import tree_flatten
+
+from mlx_specdec.engine import Engine
+from mlx_specdec.model.timing import median_ms
+
+FLOAT_P = ctypes.POINTER(ctypes.c_float)
+
+
+def build(folder: Path, name: str, defines: tuple) -> ctypes.CDLL:
+    target = folder / f"{name}.so"
+    subprocess.run(["gcc", *_blas.SMALL_GEMM_FLAGS, *defines, str(_blas.SMALL_GEMM_SOURCE), "-o", str(target)],
+                   check=True, capture_output=True, timeout=120)
+    return ctypes.CDLL(str(target), mode=ctypes.RTLD_LOCAL)
+
+
+def all_products(library: ctypes.CDLL, weights, x: np.ndarray, out: np.ndarray, rows: int) -> None:
+    for w in weights:  # C (rows, N) = x (rows, K) @ W (N, K).T
+        n, k = w.shape
+        library.small_gemm(1, rows, n, k, ctypes.c_float(1.0), x.ctypes.data_as(FLOAT_P), k,
+                           w.ctypes.data_as(FLOAT_P), k, ctypes.c_float(0.0), out.ctypes.data_as(FLOAT_P), n)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,2,3,4,5,6,8")
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    model = Engine.load("default").lm.model
+    weights = [np.ascontiguousarray(np.array(w, dtype=np.float32))
+               for _, w in tree_flatten(model.parameters()) if w.ndim == 2]
+    nbytes = sum(w.nbytes for w in weights)
+    widest = max(max(w.shape) for w in weights)
+    x = np.random.default_rng(0).standard_normal((8, widest)).astype(np.float32)
+    with tempfile.TemporaryDirectory() as folder:
+        variants = {"prefetch (shipped)": build(Path(folder), "prefetch", ()),
+                    "no prefetch": build(Path(folder), "plain", ("-DPREFETCH_MIN_ROWS=99",))}
+        print(f"{len(weights)} matrices, {nbytes / 1e6:.0f} MB float32; median of {args.repeats}, variants interleaved")
+        print("| rows | " + " | ".join(f"{name} (ms)" for name in variants) + " | ratio | same bits |")
+        print("|---:|" + "---:|" * (len(variants) + 2))
+        for rows in [int(r) for r in args.rows.split(",")]:
+            outs = {name: np.zeros((rows, widest), np.float32) for name in variants}
+            times = {name: [] for name in variants}
+            for _ in range(args.repeats):
+                for name, library in variants.items():
+                    times[name].append(median_ms(lambda: all_products(library, weights, x, outs[name], rows),
+                                                 repeats=1, warmup=0))
+            med = [float(np.median(t)) for t in times.values()]
+            same = all(np.array_equal(outs[n], outs["no prefetch"]) for n in variants)
+            print(f"| {rows} | " + " | ".join(f"{m:.1f}" for m in med) + f" | {med[0] / med[1]:.2f} | {same} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
