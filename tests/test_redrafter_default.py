@@ -37,6 +37,18 @@ def test_greedy_redrafter_equals_plain_decoding(engine, width, length):
         assert stats.tokens_per_forward > 1.0  # the shipped head's drafts are accepted
 
 
+def test_greedy_redrafter_with_runners_up_equals_plain_decoding(engine):
+    """The shipped defaults (cutoff, trust, lookup, verify-cost rule) with the head's runners-up."""
+    params = GenerationParams(max_tokens=48, options={"runners_up": 3})
+    verified = 0
+    for prompt in PROMPTS:
+        want = tokens_of(engine.generate(prompt, "ar", GenerationParams(max_tokens=48)))
+        events = list(engine.generate(prompt, "redrafter", params))
+        assert tokens_of(events) == want, prompt
+        verified += events[-1].stats.extra["runners_up_verified"]
+    assert verified > 0
+
+
 def test_batched_redrafter_equals_plain_decoding(engine):
     want = [tokens_of(engine.generate(p, "ar", GenerationParams(max_tokens=32))) for p in PROMPTS]
     rows = {}

@@ -12,6 +12,8 @@ latest token `x`, and with the hidden state `h` that produced `x` (per batch row
             expected tokens per unit of verify cost at this context (drafting/verify_cost.py);
             none kept = a plain step   [host]
     pack    dedup shared prefixes -> N <= W*L distinct tokens, depths, tree mask      [host, tiny]
+            (+ greedy chains: the head's runners-up for the first draft as its siblings, where
+            the verify-cost table says they pay: --runners-up, drafter/beam.py with_runners_up)
     verify  one forward of the N tokens at positions length + depth under the tree mask
     accept  longest run the target agrees with (greedy) or rejection sampling -> n, next token
     commit  the cache keeps the n+1 accepted tokens (keep_appended_rows: only the offset moves when
@@ -42,12 +44,12 @@ import numpy as np
 
 from .. import masks
 from ..acceptance import Accepted, greedy_accept, sampling_accept, target_probs
-from ..drafter.beam import pack_beams
+from ..drafter.beam import pack_beams, with_runners_up
 from ..drafting import HeadProposer, Proposal, select_rows
 from ..drafting.calibration import DraftTrust
 from ..drafting.base import read_host as _read
 from ..drafting.lookup import LookupFirst
-from ..drafting.verify_cost import RateMeter, worth_verifying
+from ..drafting.verify_cost import RateMeter, runners_up_worth, worth_verifying
 from ..errors import UserError
 from ..model.forward import forward
 from .base import DecodeContext, Step, new_contiguous_cache, prefill_rows
@@ -64,6 +66,7 @@ DEFAULT_DRAFT_TRUST = True  # ... times what it has earned in this answer (draft
 # issue18_lookup_unseen.md: 8 unseen chats, 64 tokens, 1.27x -> 1.33x; 256 tokens 1.24x -> 1.51x).
 DEFAULT_LOOKUP = 4
 DEFAULT_EAGER_DRAFTS = False  # lazy: drafts made and read only as deep as a step can verify
+DEFAULT_RUNNERS_UP = 0  # off: +8 % tokens a forward on the 2-core CPU, but the wider verify costs as much (see --runners-up)
 DEFAULT_VERIFY_COST = True  # verify the depth worth its cost at this context (drafting/verify_cost.py)
 PHASES = ("draft_s", "pack_s", "verify_s", "accept_s", "sync_s")
 
@@ -105,8 +108,12 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     # With no cutoff every draft is made in one graph.
     eager = bool(ctx.params.options.get("eager_drafts", DEFAULT_EAGER_DRAFTS))
     stepwise = bool(ctx.params.options.get("stepwise_draft", not eager)) and cutoff > 0
+    # Runners-up (greedy, lazy chains): the head's 2nd..(S+1)th choices for the first draft, each a
+    # sibling of it in the tree, where the verify-cost table says the extra query tokens pay.
+    runners_up = int(ctx.params.options.get("runners_up", DEFAULT_RUNNERS_UP))
     proposer = HeadProposer(head, embed, width, length, vocab=int(model.args.vocab_size),
-                            temperature=0.0 if greedy else params.temperature, stepwise=stepwise)
+                            temperature=0.0 if greedy else params.temperature, stepwise=stepwise,
+                            runners_up=runners_up)
     lookup = LookupFirst(lookup_drafts, vocab=int(model.args.vocab_size)) if lookup_drafts > 0 else None
 
     def own_token(logits: mx.array) -> mx.array:  # (B, V) -> (B,) the target's own choice
@@ -124,7 +131,8 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
 
     timings = dict.fromkeys(PHASES, 0.0)
     per_position = np.zeros(length - 1, dtype=np.int64)  # row-steps that accepted >= k+1 drafts
-    tally = {"steps": 0, "before": 0, "after": 0, "lookup_steps": 0, "lookup_accepted": 0}
+    tally = {"steps": 0, "before": 0, "after": 0, "lookup_steps": 0, "lookup_accepted": 0,
+             "runners_up": 0, "runners_up_accepted": 0}
 
     def deepen(drafts: Proposal, beams, owner, confidence, from_lookup):
         """Stepwise chains: the head's rows drafted as deep as the next step can verify, the
@@ -146,6 +154,24 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
         owner = np.zeros_like(deeper)  # one chain per row: every prefix its own (dedup_prefix's answer)
         return (Proposal(mx.array(deeper), mx.array(owner), None, mx.array(deeper_confidence)),
                 deeper, owner, deeper_confidence)
+
+    def add_runners_up(beams, trees, judged, step_length):
+        """The step's chains (B, 1, L) and packings with the head's runners-up worth verifying
+        (its rows only; each adds its calibrated probability, `runners_up_worth`)."""
+        # Host sync: computed with the first draft, already evaluated when the head's drafts were read.
+        tokens, confidence = proposer.runners_up_on_host()
+        confidence = np.where((tokens != beams[:, 0, 1:2]) & ~from_lookup[:, None], confidence, 0.0)
+        if use_trust:
+            confidence = trust.calibrated(confidence[:, None])[:, 0]
+        if cost_aware:
+            reach = np.cumprod(judged[:, 0, : step_length - 1], axis=-1)  # the chains' drafts reached
+            count = runners_up_worth(len(trees) + float(reach.sum()), max(len(t.tokens) for t in trees),
+                                     confidence.sum(axis=0), int(lengths.max()), cost_table)
+            verify = (np.arange(confidence.shape[1]) < count)[None] & (confidence > 0)
+        else:
+            verify = confidence >= cutoff
+        tally["runners_up"] += int(verify.sum())
+        return (*with_runners_up(beams, trees, tokens, verify), verify.sum(axis=1))
 
     def mark(name: str, since: float, *arrays) -> float:
         """Profile mode only: a deliberate extra sync per phase, to attribute time to it."""
@@ -197,6 +223,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
                 valid, lengths, beams, owner, confidence, emitted, from_lookup = (
                     a[keep] for a in (valid, lengths, beams, owner, confidence, emitted, from_lookup))
                 drafts = select_rows(drafts, keep)
+                proposer.select_rows(keep)
                 trust.select_rows(keep)
                 lookup_trust.select_rows(keep)
                 if lookup is not None:
@@ -217,9 +244,12 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
             step_drafts = drafts if drafts.draft_probs is None else \
                 drafts._replace(draft_probs=drafts.draft_probs[:, :, : step_length - 1])
             trees = [pack_beams(beams[b], owner[b]) for b in range(len(rows))]
-            n = max(len(t.tokens) for t in trees)
             tally["before"] += beams.size
             tally["after"] += sum(len(t.tokens) for t in trees)
+            extra = np.zeros(len(rows), dtype=np.int64)  # runners-up verified per row
+            if proposer.runners_up and step_length > 1 and not from_lookup.all():
+                beams, trees, extra = add_runners_up(beams, trees, judged, step_length)
+            n = max(len(t.tokens) for t in trees)
             tokens = np.zeros((len(rows), n), dtype=np.int32)
             for b, tree in enumerate(trees):
                 tokens[b, : len(tree.tokens)] = tree.tokens
@@ -239,7 +269,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
 
             out = forward(model, mx.array(tokens), cache, positions=positions, mask=mask)
             beam_logits = mx.take_along_axis(out.logits, index[..., None], axis=1)  # (B, W*L, V)
-            beam_logits = beam_logits.reshape(len(rows), width, step_length, -1)  # unpacked to beams
+            beam_logits = beam_logits.reshape(len(rows), beams.shape[1], step_length, -1)  # unpacked to beams
             t0 = mark("verify_s", t0, beam_logits)
 
             result = accept(mx.array(beams), beam_logits, step_drafts)
@@ -264,11 +294,15 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
                 drafts, next_beams, next_owner, next_confidence, next_from_lookup = lookup.draft(drafts, token)
             mark("sync_s", t0)
 
+            # The chains' drafts: where a runner-up (beam >= 1) was accepted, the first draft was not.
+            on_runner_up = best > 0
+            tally["runners_up_accepted"] += int(on_runner_up.sum())
+            chain_best, chain_accepted = np.where(on_runner_up, 0, best), np.where(on_runner_up, 0, accepted)
             # The head's own depths only: a head row padded to a lookup row's length may accept padding.
-            trust.update(drafted_beams[..., :length], drafted_confidence[..., : length - 1], best,
-                         np.minimum(accepted, length - 1), token, verified=min(step_length, length) - 1,
+            trust.update(drafted_beams[..., :length], drafted_confidence[..., : length - 1], chain_best,
+                         np.minimum(chain_accepted, length - 1), token, verified=min(step_length, length) - 1,
                          rows=~from_lookup)
-            lookup_trust.update(drafted_beams, drafted_confidence, best, accepted, token,
+            lookup_trust.update(drafted_beams, drafted_confidence, chain_best, chain_accepted, token,
                                 verified=step_length - 1, rows=from_lookup)
             kept = [trees[b].index[best[b], : accepted[b] + 1] for b in range(len(rows))]
             physical = committed
@@ -297,7 +331,8 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
             drafts, beams, owner, confidence = deepen(drafts, next_beams, next_owner, next_confidence, from_lookup)
             mark("draft_s", t0)
             for b, thread in enumerate(rows):
-                yield Step(new_tokens[b], thread_id=thread, drafted=step_length - 1, accepted=int(accepted[b]))
+                yield Step(new_tokens[b], thread_id=thread, drafted=step_length - 1 + int(extra[b]),
+                           accepted=int(accepted[b]))
             rows, keep = _drop_finished(rows, new_tokens, emitted, eos, params.max_tokens, ctx.stopped_rows)
     finally:
         if cache.offset > committed:  # stopped mid-step: drop the unverified tree
@@ -339,6 +374,8 @@ def _report(stats, width, length, tally, per_position, timings, profile, trust) 
         lookup_steps=round(tally["lookup_steps"] / steps, 3) if steps else 0.0,
         lookup_accepted_per_step=round(tally["lookup_accepted"] / tally["lookup_steps"], 3)
         if tally["lookup_steps"] else 0.0,
+        runners_up_verified=tally["runners_up"],
+        runners_up_accepted=tally["runners_up_accepted"],
     )
     if profile:
         stats.extra.update({k: round(v, 4) for k, v in timings.items()})

@@ -94,11 +94,12 @@ def compiled_beam_search(head, embed: Embed, width: int, length: int):
     return _COMPILED[key]
 
 
-def greedy_chain_step(head, state: mx.array, hidden: mx.array, score: mx.array):
+def greedy_chain_step(head, state: mx.array, hidden: mx.array, score: mx.array, runners_up: int = 0):
     """One depth of `beam_search` at W=1, written with its ops so the numbers are the same.
 
     state (B, E), hidden (B, D), score (B,) the chain's log-probability so far -> the drafted
-    token (B,) in the full vocabulary, the new score, and the token's confidence (B,)."""
+    token (B,) in the full vocabulary, the new score, and the token's confidence (B,); with
+    runners_up = S > 0 also the head's next S choices after its top one (B, S) and theirs (B, S)."""
     logits = head.logits(state, hidden).astype(mx.float32)  # (B, K)
     candidates = score[:, None] + (logits - mx.logsumexp(logits, axis=-1, keepdims=True))  # (B, K)
     top = mx.argmax(candidates, axis=-1, keepdims=True)  # (B, 1)
@@ -107,7 +108,19 @@ def greedy_chain_step(head, state: mx.array, hidden: mx.array, score: mx.array):
     tau = head.config.confidence_temperature
     if tau != 1.0:
         step = _tempered_logprob(logits, top, tau, logits.shape[-1])[:, 0]
-    return head.draft_to_full[top[:, 0]], new_score, mx.exp(step)
+    out = (head.draft_to_full[top[:, 0]], new_score, mx.exp(step))
+    if runners_up <= 0:
+        return out
+    # ranks 2..S+1 (a tie with the top one may repeat it: the caller drops a runner-up equal to the
+    # draft): the S+1 best found in linear time, then only they are sorted
+    best = mx.argpartition(-logits, runners_up, axis=-1)[:, : runners_up + 1]  # (B, S+1) any order
+    best = mx.take_along_axis(best, mx.argsort(-mx.take_along_axis(logits, best, axis=-1), axis=-1), axis=-1)
+    order = best[:, 1:]  # (B, S)
+    if tau != 1.0:
+        runner_logprob = _tempered_logprob(logits, order, tau, logits.shape[-1])
+    else:
+        runner_logprob = mx.take_along_axis(candidates - score[:, None], order, axis=-1)
+    return out + (head.draft_to_full[order], mx.exp(runner_logprob))
 
 
 def _tempered_logprob(logits: mx.array, top: mx.array, tau: float, K: int) -> mx.array:
@@ -119,17 +132,19 @@ def _tempered_logprob(logits: mx.array, top: mx.array, tau: float, K: int) -> mx
     return mx.take_along_axis(sharp, top, axis=-1)
 
 
-def compiled_chain(head, embed: Embed):
+def compiled_chain(head, embed: Embed, runners_up: int = 0):
     """The greedy W=1 chain one depth per call, for drafting only as deep as a step can verify
     (`drafting.head.HeadProposer` stepwise): (first, deeper), each compiled once per head.
 
-    first(hidden (B, D), token (B,)) -> state, draft (B,), score, confidence: depth 1
+    first(hidden (B, D), token (B,)) -> state, draft (B,), score, confidence: depth 1 (and, with
+    runners_up = S, the head's next S choices there and their confidences, (B, S) each)
     deeper(state, hidden, draft, score) -> the same one depth further"""
-    key = (id(head), id(embed), "chain")
+    key = (id(head), id(embed), "chain", runners_up)
     if key not in _COMPILED:
         def first(hidden, token):
             state = head.initial_state(embed(token))  # (B, E)
-            return (state,) + greedy_chain_step(head, state, hidden, mx.zeros(token.shape, dtype=mx.float32))
+            return (state,) + greedy_chain_step(head, state, hidden, mx.zeros(token.shape, dtype=mx.float32),
+                                                runners_up)
 
         def deeper(state, hidden, draft, score):
             state = head.next_state(state, embed(draft))
@@ -200,3 +215,32 @@ def pack_beams(beams: np.ndarray, owner: np.ndarray) -> PackedTree:
             depths.append(j)
     return PackedTree(np.array(tokens, dtype=np.int32), np.array(parents, dtype=np.int32),
                       np.array(depths, dtype=np.int32), index)
+
+
+def with_runners_up(beams: np.ndarray, trees: list, runners: np.ndarray, verify: np.ndarray):
+    """Siblings of the chain's first draft, verified beside it in the same forward.
+
+    beams (B, 1, L): one chain a row; trees: their `pack_beams`; runners (B, S): the head's next
+    choices at depth 1; verify (B, S) bool: which of them to verify. -> beams (B, 1+S, L) and trees
+    where beam s >= 1 is [root, runner s, -1, ...]: a child of the root (-1 never equals a target
+    token, so it is accepted one deep at most, and only where the chain's first draft is not); a
+    runner not verified has no tree token (its beam points at the root and never matches)."""
+    B, _, L = beams.shape
+    S = runners.shape[1]
+    out = np.full((B, 1 + S, L), -1, dtype=beams.dtype)
+    out[:, 0] = beams[:, 0]
+    out[:, 1:, 0] = beams[:, :1, 0]
+    packed = []
+    for b, tree in enumerate(trees):
+        tokens, parents, depths = list(tree.tokens), list(tree.parents), list(tree.depths)
+        index = np.zeros((1 + S, L), dtype=np.int32)
+        index[0] = tree.index[0]
+        for s in np.flatnonzero(verify[b]):
+            out[b, 1 + s, 1] = runners[b, s]
+            index[1 + s, 1:] = len(tokens)
+            tokens.append(runners[b, s])
+            parents.append(0)
+            depths.append(1)
+        packed.append(PackedTree(np.array(tokens, dtype=np.int32), np.array(parents, dtype=np.int32),
+                                 np.array(depths, dtype=np.int32), index))
+    return out, packed

@@ -26,21 +26,26 @@ from .base import Proposal, read_host
 
 class HeadProposer:
     def __init__(self, head, embed, width: int, length: int, vocab: int, temperature: float = 0.0,
-                 stepwise: bool = False):
+                 stepwise: bool = False, runners_up: int = 0):
         """vocab: the target's vocabulary size (the width of the draft distributions it checks).
-        stepwise: greedy single chains only (ignored otherwise): see the module docstring."""
+        stepwise: greedy single chains only (ignored otherwise): see the module docstring.
+        runners_up: stepwise only, the head's next choices at depth 1 to offer beside the chain
+        (`runners_up_on_host`; `drafter.beam.with_runners_up` verifies them)."""
         self.head, self.embed, self.vocab = head, embed, vocab
         self.width, self.length, self.temperature = width, length, temperature
         self.stepwise = stepwise and temperature <= 0 and width == 1 and length > 2
+        self.runners_up = runners_up if self.stepwise else 0
         self._search = compiled_beam_search(head, embed, width, length) if temperature <= 0 else None
-        self._chain = compiled_chain(head, embed) if self.stepwise else None
+        self._chain = compiled_chain(head, embed, self.runners_up) if self.stepwise else None
         self._pending = None  # stepwise: (state, hidden, draft, score) of the deepest draft made
+        self._runners = None  # stepwise with runners_up: (tokens (B, S), confidences (B, S)), lazy
 
     def propose(self, token: mx.array, hidden: Optional[mx.array]) -> Proposal:
         """token (B,): the target's own latest token; hidden (B, D): the state that produced it."""
         if self.stepwise:  # the first draft only: `extend` goes deeper
-            state, draft, score, confidence = self._chain[0](hidden, token)
+            state, draft, score, confidence, *runners = self._chain[0](hidden, token)
             self._pending = (state, hidden, draft, score)
+            self._runners = runners or None
             beams = mx.stack([token.astype(mx.int32), draft.astype(mx.int32)], axis=-1)[:, None, :]  # (B, 1, 2)
             return Proposal(beams, mx.zeros(beams.shape, dtype=mx.int32), None, confidence[:, None, None])
         if self._search is not None:
@@ -81,6 +86,18 @@ class HeadProposer:
         out_conf[rows] = 0.0
         out_conf[rows, :, :depth] = head_conf[rows]
         return out_beams, out_conf
+
+    def runners_up_on_host(self):
+        """The last `propose`'s runners-up at depth 1: tokens (B, S) int32, confidences (B, S).
+        Computed in the same compiled call as the first draft, so reading them costs a sync only."""
+        tokens, confidence = read_host(*self._runners)
+        return tokens.astype(np.int32), confidence
+
+    def select_rows(self, keep: np.ndarray) -> None:
+        """Rows leaving the batch: the runners-up follow the proposals (`base.select_rows`)."""
+        if self._runners is not None:
+            index = mx.array(keep)
+            self._runners = [r[index] for r in self._runners]
 
     def _full_vocab(self, draft_probs: mx.array) -> mx.array:
         """(B, W, L-1, K) draft-vocabulary distribution -> (B, W, L-1, V), zero outside it."""

@@ -99,6 +99,25 @@ def worth_verifying(probs: np.ndarray, owner: np.ndarray, kept: int, context: in
     return best
 
 
+def runners_up_worth(expected: float, tokens: int, probs: np.ndarray, context: int,
+                     table: Optional[CostTable] = None) -> int:
+    """How many of the head's runners-up at depth 1 to verify beside the step's chains.
+
+    expected: the tokens the step's chains are expected to give (summed over rows), from a
+    `tokens`-token verify; probs (S,): the runners-up's calibrated probabilities (summed over
+    rows), likeliest first. A runner-up is right exactly when its chain's first draft is not, so
+    k of them add probs[:k].sum() tokens for k more query tokens. -> the k in 0..S with the most
+    expected tokens per unit of verify cost (as `worth_verifying` chooses a depth)."""
+    per_t = _costs_at(context, table)
+    best, best_rate, gain = 0, expected / _cost(per_t, tokens), expected
+    for k, p in enumerate(probs, start=1):
+        gain += float(p)
+        step_rate = gain / _cost(per_t, tokens + k)
+        if step_rate > best_rate:
+            best, best_rate = k, step_rate
+    return best
+
+
 class RateMeter:
     """Tokens a row has got per unit of verify cost so far in this answer (the "margin" rule's
     rate), from a prior of PRIOR_RATE over PRIOR_COST units so the first steps have one.

@@ -1,0 +1,115 @@
+"""Runners-up (`redrafter --runners-up N`): the head's next choices for a chain's first draft,
+verified as its siblings in the same forward; greedy output stays the target's."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_specdec.acceptance import greedy_accept
+from mlx_specdec.decoding import GenerationParams
+from mlx_specdec.drafter.beam import compiled_chain, pack_beams, with_runners_up
+from mlx_specdec.drafting.verify_cost import CostTable, runners_up_worth
+
+from conftest import make_tiny_lm
+from test_redrafter import PROMPTS, BigramOracle, engine_with, random_head, run
+
+
+def test_runners_up_are_children_of_the_root_accepted_one_deep_where_the_first_draft_is_not():
+    x0, a, b, r1, r2 = 7, 11, 12, 21, 22
+    beams = np.array([[[x0, a, b]]], dtype=np.int32)  # (B=1, W=1, L=3): one chain
+    trees = [pack_beams(beams[0], np.zeros((1, 3), dtype=np.int32))]
+    wide, packed = with_runners_up(beams, trees, np.array([[r1, r2]]), np.array([[True, False]]))
+    tree = packed[0]
+    assert tree.tokens.tolist() == [x0, a, b, r1]  # the chain, then r1 beside a; r2 not verified
+    assert tree.parents.tolist() == [-1, 0, 1, 0]
+    assert tree.depths.tolist() == [0, 1, 2, 1]
+    assert tree.index.tolist() == [[0, 1, 2], [0, 3, 3], [0, 0, 0]]
+    assert wide[0].tolist() == [[x0, a, b], [x0, r1, -1], [x0, -1, -1]]
+
+    # The target's argmax at each packed position: after x0 comes r1 (not a), after r1 comes 30.
+    V = 40
+    logits = np.zeros((1, 4, V), dtype=np.float32)
+    for position, target in enumerate([r1, b, 5, 30]):
+        logits[0, position, target] = 1.0
+    beam_logits = mx.take_along_axis(mx.array(logits), mx.array(tree.index.reshape(1, -1))[..., None], axis=1)
+    result = greedy_accept(mx.array(wide), beam_logits.reshape(1, 3, 3, V))
+    assert (int(result.beam[0]), int(result.num_accepted[0]), int(result.next_token[0])) == (1, 1, 30)
+
+    # Where the first draft is right the chain wins, however the runner-up fares.
+    logits[0, 0] = 0.0
+    logits[0, 0, a] = 1.0
+    beam_logits = mx.take_along_axis(mx.array(logits), mx.array(tree.index.reshape(1, -1))[..., None], axis=1)
+    result = greedy_accept(mx.array(wide), beam_logits.reshape(1, 3, 3, V))
+    assert (int(result.beam[0]), int(result.num_accepted[0])) == (0, 2)
+
+
+def test_runners_up_are_verified_only_while_they_raise_tokens_per_unit_of_cost():
+    free = CostTable(np.array([150.0]), np.array([[1.0, 1.1, 1.2, 1.2, 1.2, 1.2]]), "test")
+    dear = CostTable(np.array([150.0]), np.array([[1.0, 1.1, 1.2, 1.5, 1.8, 2.1]]), "test")
+    probs = np.array([0.2, 0.1, 0.05])
+    # a 3-token chain expecting 1.6 tokens: 1.6 / 1.2 now
+    assert runners_up_worth(1.6, 3, probs, 150, free) == 3  # each adds tokens at no cost
+    assert runners_up_worth(1.6, 3, probs, 150, dear) == 0  # 1.8 / 1.5 < 1.6 / 1.2
+    assert runners_up_worth(1.6, 3, np.zeros(3), 150, free) == 0  # nothing to gain
+
+
+def test_the_chain_s_runners_up_are_the_head_s_next_choices_with_their_probabilities():
+    lm = make_tiny_lm(seed=2)
+    head, embed = random_head(lm), lm.model.model.embed_tokens
+    hidden = mx.random.normal((3, 64), key=mx.random.key(1))
+    first = mx.array([5, 17, 60])
+    plain = compiled_chain(head, embed)[0](hidden, first)
+    state, draft, score, confidence, runners, runner_conf = compiled_chain(head, embed, 2)[0](hidden, first)
+    for got, want in zip((state, draft, score, confidence), plain):  # the chain itself unchanged
+        assert np.array_equal(np.array(got), np.array(want))
+    probs = np.array(mx.softmax(head.logits(head.initial_state(embed(first)), hidden).astype(mx.float32), axis=-1))
+    order = np.argsort(-probs, axis=-1, kind="stable")
+    d2f = np.array(head.draft_to_full)
+    assert np.array_equal(np.array(draft), d2f[order[:, 0]])
+    assert np.array_equal(np.array(runners), d2f[order[:, 1:3]])
+    np.testing.assert_allclose(np.array(runner_conf), np.take_along_axis(probs, order[:, 1:3], axis=-1), rtol=1e-5)
+
+
+def second_guess_head(lm, prompts):
+    """A head whose first choice is always wrong and whose second is the target's greedy successor
+    (logit 21 for a wrong token, 20 for the right one): every step's chain is rejected at once and
+    a runner-up is what gets accepted."""
+    table = np.random.default_rng(0).normal(size=(97, 97)).astype(np.float32)
+    engine = engine_with(lm, None)
+    for prompt in prompts:
+        seq = prompt + run(engine, prompt, "ar", max_tokens=40)[0]
+        for a, b in zip(seq, seq[1:]):
+            table[a, b], table[a, (b + 1) % 97] = 20.0, 21.0
+    return BigramOracle(lm.model.model.embed_tokens.weight, mx.array(table), 97)
+
+
+@pytest.mark.parametrize("runners_up", [1, 3])
+def test_greedy_redrafter_with_runners_up_equals_plain_decoding_and_accepts_them(runners_up):
+    lm = make_tiny_lm(seed=3, eos_id=96)
+    engine = engine_with(lm, second_guess_head(lm, PROMPTS))
+    options = {"beam_length": 4, "draft_cutoff": 0.2, "draft_trust": False, "lookup": 0,
+               "verify_cost": False, "runners_up": runners_up}
+    for prompt in PROMPTS:
+        want, plain_stats = run(engine, prompt, "ar", max_tokens=40)
+        without, stats_without = run(engine, prompt, "redrafter", max_tokens=40, options={**options, "runners_up": 0})
+        got, stats = run(engine, prompt, "redrafter", max_tokens=40, options=options)
+        assert got == want == without
+        assert stats.extra["runners_up_accepted"] > 0 and stats_without.extra["runners_up_verified"] == 0
+        assert stats.forward_passes < stats_without.forward_passes  # the runners-up saved forwards
+
+
+def test_batched_rows_with_runners_up_each_equal_their_own_plain_decoding():
+    lm = make_tiny_lm(seed=4, eos_id=96)
+    prompts = PROMPTS + [[7], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
+    engine = engine_with(lm, second_guess_head(lm, prompts))
+    want = [run(engine, p, "ar", max_tokens=30)[0] for p in prompts]
+    rows, accepted = {}, 0
+    params = GenerationParams(max_tokens=30, options={"beam_length": 3, "draft_cutoff": 0.2, "draft_trust": False,
+                                                      "lookup": 0, "verify_cost": False, "runners_up": 2})
+    for e in engine.generate_ids_batch(prompts, "redrafter", params):
+        if e.kind == "token":
+            rows.setdefault(e.thread_id, []).extend(e.tokens)
+        if e.stats is not None:
+            accepted = e.stats.extra.get("runners_up_accepted", 0)
+    assert [rows.get(i, []) for i in range(len(prompts))] == want
+    assert accepted > 0
