@@ -2,6 +2,11 @@
 1..8 rows of x, with its prefetch of the weights and without, interleaved in one process.
 
     python benchmarks/small_gemm_rows.py [--rows 1,2,3,4,5,6,8] [--repeats 15]
+    python benchmarks/small_gemm_rows.py --values 6000 [--rows 3,6,9,15]
+
+The second form times attention's value product instead, as the grouped CPU attention runs it
+after `--values` cached tokens: (rows, keys) @ values (keys, head dim) for every layer and KV
+head (x @ W, not transposed), with several vectors of columns a pass (shipped) against one.
 
 A verify multiplies a few rows by every weight matrix; the kernel streams each weight row once for
 up to 8 rows. Memory-bound for 1-3 rows; from ~4 rows on the FMAs take long enough that, without
@@ -46,8 +51,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,2,3,4,5,6,8")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--values", type=int, default=0, metavar="KEYS",
+                        help="time the attention value products after KEYS cached tokens instead")
     args = parser.parse_args()
     model = Engine.load("default").lm.model
+    if args.values:
+        return values_table(model, args)
     weights = [np.ascontiguousarray(np.array(w, dtype=np.float32))
                for _, w in tree_flatten(model.parameters()) if w.ndim == 2]
     nbytes = sum(w.nbytes for w in weights)
@@ -69,6 +78,39 @@ def main():
             med = [float(np.median(t)) for t in times.values()]
             same = all(np.array_equal(outs[n], outs["no prefetch"]) for n in variants)
             print(f"| {rows} | " + " | ".join(f"{m:.1f}" for m in med) + f" | {med[0] / med[1]:.2f} | {same} |",
+                  flush=True)
+
+
+def values_table(model, args) -> None:
+    """(rows, keys) @ (keys, head_dim) per layer and KV head, both builds interleaved."""
+    config = model.args
+    head_dim = config.hidden_size // config.num_attention_heads
+    heads = config.num_hidden_layers * config.num_key_value_heads
+    rng = np.random.default_rng(0)
+    values = [rng.standard_normal((args.values, head_dim)).astype(np.float32) for _ in range(heads)]
+    with tempfile.TemporaryDirectory() as folder:
+        variants = {"vectors a pass (shipped)": build(Path(folder), "blocks", ()),
+                    "one vector a pass": build(Path(folder), "one", ("-DSMALL_GEMM_NN_ONE_VECTOR",))}
+        print(f"{heads} value products (layers x KV heads) of ({args.values}, {head_dim}); "
+              f"median of {args.repeats}, interleaved")
+        print("| rows | " + " | ".join(f"{name} (ms)" for name in variants) + " | ratio | same bits |")
+        print("|---:|" + "---:|" * (len(variants) + 2))
+        for rows in [int(r) for r in args.rows.split(",")]:
+            weights = rng.random((rows, args.values)).astype(np.float32)
+            outs = {name: np.zeros((rows, head_dim), np.float32) for name in variants}
+            times = {name: [] for name in variants}
+
+            def run(library, out):
+                for v in values:  # C (rows, D) = P (rows, S) @ V (S, D)
+                    library.small_gemm(0, rows, head_dim, args.values, ctypes.c_float(1.0),
+                                       weights.ctypes.data_as(FLOAT_P), args.values, v.ctypes.data_as(FLOAT_P),
+                                       head_dim, ctypes.c_float(0.0), out.ctypes.data_as(FLOAT_P), head_dim)
+            for _ in range(args.repeats):
+                for name, library in variants.items():
+                    times[name].append(median_ms(lambda: run(library, outs[name]), repeats=1, warmup=0))
+            med = [float(np.median(t)) for t in times.values()]
+            same = np.array_equal(*outs.values())
+            print(f"| {rows} | " + " | ".join(f"{m:.2f}" for m in med) + f" | {med[0] / med[1]:.2f} | {same} |",
                   flush=True)
 
 

@@ -86,24 +86,48 @@ static void nt_rows_##R(int n0, int n1, int K, float alpha, const float *A, int 
 }
 NT_ROWS(1) NT_ROWS(2) NT_ROWS(3) NT_ROWS(4) NT_ROWS(5) NT_ROWS(6) NT_ROWS(7) NT_ROWS(8)
 
-/* columns n0..n1 of C for R rows of A: C[m, n] = alpha * sum_k A[m, k] B[k, n] + beta * C[m, n] */
+/* columns n0..n1 of C for R rows of A: C[m, n] = alpha * sum_k A[m, k] B[k, n] + beta * C[m, n].
+ * V vectors of 8 columns a pass, R x V accumulators: a row of B is read V x 32 bytes at a time. With
+ * one vector a pass, attention's values (K = thousands of cached tokens, N = 64) were read in 32-byte
+ * pieces 256 bytes apart, each cache line fetched twice: 30 % of a one-token forward after 6,000
+ * tokens (benchmarks/results/small_gemm_values.md). Each lane still sums over k in order with one FMA
+ * a step, so the bits are those of one vector a pass. V by the registers: R x V + V + 1 of them. */
+#if defined(SMALL_GEMM_NN_ONE_VECTOR)  /* as before: benchmarks/small_gemm_rows.py --values compares */
+#define NN_V(R) 1
+#elif defined(__AVX512F__)
+#define NN_V(R) ((R) <= 6 ? 4 : 3)  /* 32 vector registers */
+#else
+#define NN_V(R) ((R) <= 2 ? 4 : (R) == 3 ? 3 : (R) <= 6 ? 2 : 1)  /* 16 */
+#endif
+/* R rows x U vectors of columns n.. of C, summed over all of k (the inner loop of nn_rows) */
+#define NN_BLOCK(R, U)                                                                        \
+    {                                                                                         \
+        v8 acc[R][U];                                                                         \
+        for (int m = 0; m < R; m++)                                                           \
+            for (int v = 0; v < U; v++) acc[m][v] = (v8){0};                                  \
+        for (int k = 0; k < K; k++) {                                                         \
+            const float *b = B + (size_t)k * ldb + n;                                         \
+            v8 bv[U];                                                                         \
+            for (int v = 0; v < U; v++) bv[v] = load8(b + 8 * v);                             \
+            for (int m = 0; m < R; m++) {                                                     \
+                v8 a = splat8(A[(size_t)m * lda + k]);                                        \
+                for (int v = 0; v < U; v++) acc[m][v] = fma8(bv[v], a, acc[m][v]);            \
+            }                                                                                 \
+        }                                                                                     \
+        for (int m = 0; m < R; m++)                                                           \
+            for (int v = 0; v < U; v++) {                                                     \
+                float *c = C + (size_t)m * ldc + n + 8 * v;                                   \
+                for (int i = 0; i < 8; i++)                                                   \
+                    c[i] = beta == 0.f ? alpha * acc[m][v][i] : alpha * acc[m][v][i] + beta * c[i]; \
+            }                                                                                 \
+    }
 #define NN_ROWS(R)                                                                            \
 static void nn_rows_##R(int n0, int n1, int K, float alpha, const float *A, int lda,          \
                         const float *B, int ldb, float beta, float *C, int ldc) {             \
+    enum { V = NN_V(R) };                                                                     \
     int n = n0;                                                                               \
-    for (; n + 8 <= n1; n += 8) {                                                             \
-        v8 acc[R];                                                                            \
-        for (int m = 0; m < R; m++) acc[m] = (v8){0};                                         \
-        for (int k = 0; k < K; k++) {                                                         \
-            v8 bv = load8(B + (size_t)k * ldb + n);                                           \
-            for (int m = 0; m < R; m++) acc[m] = fma8(bv, splat8(A[(size_t)m * lda + k]), acc[m]); \
-        }                                                                                     \
-        for (int m = 0; m < R; m++) {                                                         \
-            float *c = C + (size_t)m * ldc + n;                                               \
-            for (int i = 0; i < 8; i++)                                                       \
-                c[i] = beta == 0.f ? alpha * acc[m][i] : alpha * acc[m][i] + beta * c[i];     \
-        }                                                                                     \
-    }                                                                                         \
+    for (; n + 8 * V <= n1; n += 8 * V) NN_BLOCK(R, V)                                        \
+    for (; n + 8 <= n1; n += 8) NN_BLOCK(R, 1)                                                \
     for (; n < n1; n++)                                                                       \
         for (int m = 0; m < R; m++) {                                                         \
             float s = 0.f;                                                                    \
