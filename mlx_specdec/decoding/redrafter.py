@@ -66,7 +66,8 @@ DEFAULT_DRAFT_TRUST = True  # ... times what it has earned in this answer (draft
 # issue18_lookup_unseen.md: 8 unseen chats, 64 tokens, 1.27x -> 1.33x; 256 tokens 1.24x -> 1.51x).
 DEFAULT_LOOKUP = 4
 DEFAULT_EAGER_DRAFTS = False  # lazy: drafts made and read only as deep as a step can verify
-DEFAULT_RUNNERS_UP = 0  # off: +8 % tokens a forward on the 2-core CPU, but the wider verify costs as much (see --runners-up)
+# Off: on the 2-core CPU they gave +7 % tokens a forward, but the wider verify cost as much (the card).
+DEFAULT_RUNNERS_UP = 0
 DEFAULT_VERIFY_COST = True  # verify the depth worth its cost at this context (drafting/verify_cost.py)
 PHASES = ("draft_s", "pack_s", "verify_s", "accept_s", "sync_s")
 
