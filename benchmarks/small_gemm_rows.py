@@ -47,6 +47,33 @@ def all_products(library: ctypes.CDLL, weights, x: np.ndarray, out: np.ndarray, 
                            w.ctypes.data_as(FLOAT_P), k, ctypes.c_float(0.0), out.ctypes.data_as(FLOAT_P), n)
 
 
+def value_products(library: ctypes.CDLL, values, weights: np.ndarray, out: np.ndarray) -> None:
+    rows, keys = weights.shape
+    for v in values:  # C (rows, D) = P (rows, keys) @ V (keys, D)
+        head_dim = v.shape[1]
+        library.small_gemm(0, rows, head_dim, keys, ctypes.c_float(1.0), weights.ctypes.data_as(FLOAT_P), keys,
+                           v.ctypes.data_as(FLOAT_P), head_dim, ctypes.c_float(0.0), out.ctypes.data_as(FLOAT_P),
+                           head_dim)
+
+
+def interleaved_table(variants: dict, row_counts, repeats: int, product, width: int) -> None:
+    """product(library, rows, out (rows, width)) for each variant, interleaved: median ms per row
+    count, the first variant against the second, and whether all gave the same bits."""
+    print("| rows | " + " | ".join(f"{name} (ms)" for name in variants) + " | ratio | same bits |")
+    print("|---:|" + "---:|" * (len(variants) + 2))
+    for rows in row_counts:
+        outs = {name: np.zeros((rows, width), np.float32) for name in variants}
+        times = {name: [] for name in variants}
+        for _ in range(repeats):
+            for name, library in variants.items():
+                times[name].append(median_ms(lambda: product(library, rows, outs[name]), repeats=1, warmup=0))
+        med = [float(np.median(t)) for t in times.values()]
+        first = next(iter(outs.values()))
+        same = all(np.array_equal(first, out) for out in outs.values())
+        print(f"| {rows} | " + " | ".join(f"{m:.2f}" for m in med) + f" | {med[0] / med[1]:.2f} | {same} |",
+              flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,2,3,4,5,6,8")
@@ -55,63 +82,32 @@ def main():
                         help="time the attention value products after KEYS cached tokens instead")
     args = parser.parse_args()
     model = Engine.load("default").lm.model
-    if args.values:
-        return values_table(model, args)
-    weights = [np.ascontiguousarray(np.array(w, dtype=np.float32))
-               for _, w in tree_flatten(model.parameters()) if w.ndim == 2]
-    nbytes = sum(w.nbytes for w in weights)
-    widest = max(max(w.shape) for w in weights)
-    x = np.random.default_rng(0).standard_normal((8, widest)).astype(np.float32)
+    row_counts = [int(r) for r in args.rows.split(",")]
+    rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as folder:
+        if args.values:  # (rows, keys) @ (keys, head_dim) per layer and KV head
+            config = model.args
+            head_dim = config.hidden_size // config.num_attention_heads
+            heads = config.num_hidden_layers * config.num_key_value_heads
+            values = [rng.standard_normal((args.values, head_dim)).astype(np.float32) for _ in range(heads)]
+            weights = {rows: rng.random((rows, args.values)).astype(np.float32) for rows in row_counts}
+            variants = {"vectors a pass (shipped)": build(Path(folder), "blocks", ()),
+                        "one vector a pass": build(Path(folder), "one", ("-DSMALL_GEMM_NN_ONE_VECTOR",))}
+            print(f"{heads} value products (layers x KV heads) of ({args.values}, {head_dim}); "
+                  f"median of {args.repeats}, interleaved")
+            interleaved_table(variants, row_counts, args.repeats,
+                              lambda lib, rows, out: value_products(lib, values, weights[rows], out), head_dim)
+            return
+        matrices = [np.ascontiguousarray(np.array(w, dtype=np.float32))
+                    for _, w in tree_flatten(model.parameters()) if w.ndim == 2]
+        nbytes = sum(w.nbytes for w in matrices)
+        widest = max(max(w.shape) for w in matrices)
+        x = rng.standard_normal((8, widest)).astype(np.float32)
         variants = {"prefetch (shipped)": build(Path(folder), "prefetch", ()),
                     "no prefetch": build(Path(folder), "plain", ("-DPREFETCH_MIN_ROWS=99",))}
-        print(f"{len(weights)} matrices, {nbytes / 1e6:.0f} MB float32; median of {args.repeats}, variants interleaved")
-        print("| rows | " + " | ".join(f"{name} (ms)" for name in variants) + " | ratio | same bits |")
-        print("|---:|" + "---:|" * (len(variants) + 2))
-        for rows in [int(r) for r in args.rows.split(",")]:
-            outs = {name: np.zeros((rows, widest), np.float32) for name in variants}
-            times = {name: [] for name in variants}
-            for _ in range(args.repeats):
-                for name, library in variants.items():
-                    times[name].append(median_ms(lambda: all_products(library, weights, x, outs[name], rows),
-                                                 repeats=1, warmup=0))
-            med = [float(np.median(t)) for t in times.values()]
-            same = all(np.array_equal(outs[n], outs["no prefetch"]) for n in variants)
-            print(f"| {rows} | " + " | ".join(f"{m:.1f}" for m in med) + f" | {med[0] / med[1]:.2f} | {same} |",
-                  flush=True)
-
-
-def values_table(model, args) -> None:
-    """(rows, keys) @ (keys, head_dim) per layer and KV head, both builds interleaved."""
-    config = model.args
-    head_dim = config.hidden_size // config.num_attention_heads
-    heads = config.num_hidden_layers * config.num_key_value_heads
-    rng = np.random.default_rng(0)
-    values = [rng.standard_normal((args.values, head_dim)).astype(np.float32) for _ in range(heads)]
-    with tempfile.TemporaryDirectory() as folder:
-        variants = {"vectors a pass (shipped)": build(Path(folder), "blocks", ()),
-                    "one vector a pass": build(Path(folder), "one", ("-DSMALL_GEMM_NN_ONE_VECTOR",))}
-        print(f"{heads} value products (layers x KV heads) of ({args.values}, {head_dim}); "
-              f"median of {args.repeats}, interleaved")
-        print("| rows | " + " | ".join(f"{name} (ms)" for name in variants) + " | ratio | same bits |")
-        print("|---:|" + "---:|" * (len(variants) + 2))
-        for rows in [int(r) for r in args.rows.split(",")]:
-            weights = rng.random((rows, args.values)).astype(np.float32)
-            outs = {name: np.zeros((rows, head_dim), np.float32) for name in variants}
-            times = {name: [] for name in variants}
-
-            def run(library, out):
-                for v in values:  # C (rows, D) = P (rows, S) @ V (S, D)
-                    library.small_gemm(0, rows, head_dim, args.values, ctypes.c_float(1.0),
-                                       weights.ctypes.data_as(FLOAT_P), args.values, v.ctypes.data_as(FLOAT_P),
-                                       head_dim, ctypes.c_float(0.0), out.ctypes.data_as(FLOAT_P), head_dim)
-            for _ in range(args.repeats):
-                for name, library in variants.items():
-                    times[name].append(median_ms(lambda: run(library, outs[name]), repeats=1, warmup=0))
-            med = [float(np.median(t)) for t in times.values()]
-            same = np.array_equal(*outs.values())
-            print(f"| {rows} | " + " | ".join(f"{m:.2f}" for m in med) + f" | {med[0] / med[1]:.2f} | {same} |",
-                  flush=True)
+        print(f"{len(matrices)} matrices, {nbytes / 1e6:.0f} MB float32; median of {args.repeats}, variants interleaved")
+        interleaved_table(variants, row_counts, args.repeats,
+                          lambda lib, rows, out: all_products(lib, matrices, x, out, rows), widest)
 
 
 if __name__ == "__main__":
