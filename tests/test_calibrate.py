@@ -29,6 +29,26 @@ def test_a_measured_table_starts_at_one_and_never_falls_with_more_tokens():
     assert sum(done) == 2 * 2 * 4  # every timed forward reported
 
 
+def test_the_monotone_fit_pools_what_falls_and_keeps_what_rises():
+    assert cost_probe.monotone_fit(np.array([1.0, 1.1, 1.3])).tolist() == [1.0, 1.1, 1.3]
+    # one high value between two lower ones is pooled with them, not carried to every later T
+    fit = cost_probe.monotone_fit(np.array([1.0, 1.32, 1.19, 1.2, 1.2, 1.35]))
+    pooled = (1.32 + 1.19 + 1.2 + 1.2) / 4
+    assert np.allclose(fit, [1.0, pooled, pooled, pooled, pooled, 1.35])
+    assert (np.diff(fit) >= 0).all()
+    assert np.isclose(fit.sum(), 1.0 + 1.32 + 1.19 + 1.2 + 1.2 + 1.35)  # least squares keeps the mean
+
+
+def test_costs_pair_each_round_with_its_own_one_token_time():
+    # round 2 is a slow spell (every forward 1.5x): per-round ratios do not see it
+    one_round = np.array([30.0, 33.0, 36.0, 36.3])
+    times = np.stack([one_round, one_round * 1.5, one_round * 1.01])
+    costs = cost_probe.relative_costs(times)
+    assert costs[0] == 1.0 and np.allclose(costs, one_round / 30.0)
+    # a faster-than-one-token median (noise) is never a cost below 1
+    assert cost_probe.relative_costs(np.array([[30.0, 29.0, 40.0]])).tolist() == [1.0, 1.0, 40.0 / 30.0]
+
+
 def test_a_stored_table_is_read_back_for_this_model_on_this_machine_only(home):
     lm = make_tiny_lm(seed=1)
     assert cost_probe.load_table(lm) is None

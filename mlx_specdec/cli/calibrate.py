@@ -7,6 +7,7 @@ import sys
 
 from ..errors import UserError
 from ..model.device import on_cpu
+from ..drafting.cost_probe import DEFAULT_ROUNDS
 from .args import _add_model_args, _comma_list, load_engine
 
 
@@ -24,8 +25,9 @@ def add_parser(sub) -> None:
     p.add_argument("--contexts", default="150,2000,6000",
                    help="comma list of context lengths to measure after (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=8, help="measure T = 1..this many query tokens (default: %(default)s)")
-    p.add_argument("--rounds", type=int, default=9,
-                   help="timed forwards per T and context; the median counts (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
+                   help="timed forwards per T and context; the median of each T's ratio to the same round's "
+                        "one-token forward counts (default: %(default)s)")
     p.add_argument("--layout-rounds", type=int, default=5,
                    help="interleaved rounds timing the CPU weight layouts first, row- against column-major "
                         "(0: keep the one chosen at load; default: %(default)s)")

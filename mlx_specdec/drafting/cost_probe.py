@@ -9,10 +9,15 @@ So the table is measured where it is used, once per machine and model, and kept 
     for each context C (default 150, 2000, 6000; at most the model's context length - 64):
         prefill C tokens, then R rounds of: one forward of T = 1..T_max query tokens in one row
         (logits for every token, as a verify needs), the cache trimmed back after each
-    cost[C, T] = median time of T tokens / median time of 1, then made non-decreasing in T
+    ratio[r, T] = time of T tokens / time of 1 token, both in round r
+    cost[C, T]  = the non-decreasing least-squares fit (pool adjacent violators) of median_r ratio[r, T],
+                  with cost[C, 1] = 1
 
-The rounds interleave the T values, so a slow spell of the machine touches every T alike; the
-running maximum removes what noise is left (a longer verify never costs less). The stored file
+Each round visits the T values in its own rotated order and each ratio pairs forwards timed
+moments apart, so a slow spell of the machine (on a shared 2-core VM a one-token forward varies
+27-44 ms from one minute to the next) touches a ratio's two sides alike. The fit then removes the
+noise that is left without letting one slow median lift every longer T (a running maximum did: one
+noisy T = 2 at 1.32 made T = 3..5 cost 1.32 too), since a longer verify never costs less. The stored file
 names the machine and the weight layout (model/cpu_layout.py) it was measured with; on another
 machine, or over weights laid out otherwise, it is ignored.
 """
@@ -34,7 +39,7 @@ from .verify_cost import CostTable, shipped_table
 
 DEFAULT_CONTEXTS = (150, 2000, 6000)
 DEFAULT_TOKENS = 8  # T = 1..8: ReDrafter's default chains verify at most 5, lookup streaks more
-DEFAULT_ROUNDS = 9
+DEFAULT_ROUNDS = 21  # cheap next to the 6,000-token prefill; the fit is steadier with more
 
 
 def measure_table(model, contexts: Sequence[int], max_tokens: int = DEFAULT_TOKENS, rounds: int = DEFAULT_ROUNDS,
@@ -50,15 +55,36 @@ def measure_table(model, contexts: Sequence[int], max_tokens: int = DEFAULT_TOKE
             verify_forward(model, cache, t)
         times = np.zeros((rounds, max_tokens))
         for r in range(rounds):
-            for t in counts:
+            for i in range(max_tokens):
+                t = counts[(i + r) % max_tokens]  # round r starts at T = r + 1
                 start = time.perf_counter()
                 verify_forward(model, cache, t)
                 times[r, t - 1] = time.perf_counter() - start
             if progress:
                 progress(max_tokens)
-        median = np.median(times, axis=0)
-        rows.append(np.maximum.accumulate(median / median[0]))
+        rows.append(relative_costs(times))
     return CostTable(np.array(contexts, dtype=np.float64), np.stack(rows), "measured")
+
+
+def relative_costs(times: np.ndarray) -> np.ndarray:
+    """(rounds, T) forward times -> (T,) costs relative to one token: the monotone fit of the
+    per-round ratios' medians, starting at exactly 1."""
+    ratios = np.median(times / times[:, :1], axis=0)
+    return np.maximum(monotone_fit(ratios), 1.0)
+
+
+def monotone_fit(values: np.ndarray) -> np.ndarray:
+    """The non-decreasing sequence closest to `values` in least squares (pool adjacent violators):
+    each run that falls is replaced by its mean, merging backwards until the sequence rises."""
+    blocks: list = []  # [mean, count] of each pooled run, left to right
+    for v in np.asarray(values, dtype=np.float64):
+        blocks.append([float(v), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, count = blocks.pop()
+            prev = blocks[-1]
+            prev[0] = (prev[0] * prev[1] + mean * count) / (prev[1] + count)
+            prev[1] += count
+    return np.concatenate([np.full(count, mean) for mean, count in blocks])
 
 
 def table_path(lm) -> Path:
