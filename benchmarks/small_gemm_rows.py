@@ -3,10 +3,13 @@
 
     python benchmarks/small_gemm_rows.py [--rows 1,2,3,4,5,6,8] [--repeats 15]
     python benchmarks/small_gemm_rows.py --values 6000 [--rows 3,6,9,15]
+    python benchmarks/small_gemm_rows.py --scores 6000 [--rows 3,9,15,24]
 
 The second form times attention's value product instead, as the grouped CPU attention runs it
 after `--values` cached tokens: (rows, keys) @ values (keys, head dim) for every layer and KV
-head (x @ W, not transposed), with several vectors of columns a pass (shipped) against one.
+head (x @ W, not transposed), with several vectors of columns a pass (shipped) against one. The
+third its scores, (rows, head dim) @ keys (keys, head dim).T: from 4 rows a group, 8 keys at once with
+their dot products summed together (shipped), against one key at a time.
 
 A verify multiplies a few rows by every weight matrix; the kernel streams each weight row once for
 up to 8 rows. Memory-bound for 1-3 rows; from ~4 rows on the FMAs take long enough that, without
@@ -56,6 +59,14 @@ def value_products(library: ctypes.CDLL, values, weights: np.ndarray, out: np.nd
                            head_dim)
 
 
+def score_products(library: ctypes.CDLL, keys, queries: np.ndarray, out: np.ndarray) -> None:
+    rows, head_dim = queries.shape
+    for k in keys:  # C (rows, keys) = Q (rows, D) @ K (keys, D).T
+        library.small_gemm(1, rows, k.shape[0], head_dim, ctypes.c_float(1.0), queries.ctypes.data_as(FLOAT_P),
+                           head_dim, k.ctypes.data_as(FLOAT_P), head_dim, ctypes.c_float(0.0),
+                           out.ctypes.data_as(FLOAT_P), k.shape[0])
+
+
 def interleaved_table(variants: dict, row_counts, repeats: int, product, width: int) -> None:
     """product(library, rows, out (rows, width)) for each variant, interleaved: median ms per row
     count, the first variant against the second, and whether all gave the same bits."""
@@ -80,15 +91,27 @@ def main():
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--values", type=int, default=0, metavar="KEYS",
                         help="time the attention value products after KEYS cached tokens instead")
+    parser.add_argument("--scores", type=int, default=0, metavar="KEYS",
+                        help="time the attention score products over KEYS cached tokens instead")
     args = parser.parse_args()
     model = Engine.load("default").lm.model
     row_counts = [int(r) for r in args.rows.split(",")]
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as folder:
+        config = model.args
+        head_dim = config.hidden_size // config.num_attention_heads
+        heads = config.num_hidden_layers * config.num_key_value_heads
+        if args.scores:  # (rows, head_dim) @ (keys, head_dim).T per layer and KV head
+            keys = [rng.standard_normal((args.scores, head_dim)).astype(np.float32) for _ in range(heads)]
+            queries = {rows: rng.standard_normal((rows, head_dim)).astype(np.float32) for rows in row_counts}
+            variants = {"8 keys at once (shipped)": build(Path(folder), "eight", ()),
+                        "one key at a time": build(Path(folder), "one", ("-DNT8_ENABLED=0",))}
+            print(f"{heads} score products (layers x KV heads) over ({args.scores}, {head_dim}); "
+                  f"median of {args.repeats}, interleaved")
+            interleaved_table(variants, row_counts, args.repeats,
+                              lambda lib, rows, out: score_products(lib, keys, queries[rows], out), args.scores)
+            return
         if args.values:  # (rows, keys) @ (keys, head_dim) per layer and KV head
-            config = model.args
-            head_dim = config.hidden_size // config.num_attention_heads
-            heads = config.num_hidden_layers * config.num_key_value_heads
             values = [rng.standard_normal((args.values, head_dim)).astype(np.float32) for _ in range(heads)]
             weights = {rows: rng.random((rows, args.values)).astype(np.float32) for rows in row_counts}
             variants = {"vectors a pass (shipped)": build(Path(folder), "blocks", ()),

@@ -86,6 +86,64 @@ static void nt_rows_##R(int n0, int n1, int K, float alpha, const float *A, int 
 }
 NT_ROWS(1) NT_ROWS(2) NT_ROWS(3) NT_ROWS(4) NT_ROWS(5) NT_ROWS(6) NT_ROWS(7) NT_ROWS(8)
 
+/* Attention's scores in a verify (x @ K.T with K = head dim 64, 4-8 rows a group: the query heads of
+ * a KV head times the tokens verified). A key row is short, so the dot products' horizontal sums,
+ * not the loads, bound nt_rows: 8 dot products of 64 and ~6 adds and shuffles to sum each. Here a
+ * row of A meets 8 keys at once and their 8 accumulators are summed together (sum8x8): the same
+ * additions in the same order as sum8 for each, a third of the instructions. Same bits as nt_rows.
+ * Only for short rows of B (8 keys' rows stay in L1 while each row of A passes). */
+enum { NT8_MAX_K = 256, NT8_MIN_ROWS = 4 };
+#ifndef NT8_ENABLED  /* benchmarks/small_gemm_rows.py --scores builds it with 0 to compare */
+#define NT8_ENABLED 1
+#endif
+
+static inline v8 lanes(v8 a, v8 b, int high) {  /* (a's half, b's half): the low 4 floats of each, or the high */
+    return high ? __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15)
+                : __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11);
+}
+
+/* out[j] = sum8(acc[j]) for the 8 accumulators, bit for bit: sum8 adds h = v[0:4] + v[4:8], then
+ * (h[0] + h[2]) + (h[1] + h[3]); the same pairs are added here, 8 sums a vector */
+static inline v8 sum8x8(const v8 *acc) {
+    v8 h01 = lanes(acc[0], acc[1], 0) + lanes(acc[0], acc[1], 1);  /* h0 | h1 */
+    v8 h23 = lanes(acc[2], acc[3], 0) + lanes(acc[2], acc[3], 1);
+    v8 h45 = lanes(acc[4], acc[5], 0) + lanes(acc[4], acc[5], 1);
+    v8 h67 = lanes(acc[6], acc[7], 0) + lanes(acc[6], acc[7], 1);
+    /* per 4-lane half: (h[0] + h[2], h[1] + h[3]) of two accumulators */
+    v8 q0123 = __builtin_shufflevector(h01, h23, 0, 1, 8, 9, 4, 5, 12, 13) +
+               __builtin_shufflevector(h01, h23, 2, 3, 10, 11, 6, 7, 14, 15);  /* h0, h2 | h1, h3 */
+    v8 q4567 = __builtin_shufflevector(h45, h67, 0, 1, 8, 9, 4, 5, 12, 13) +
+               __builtin_shufflevector(h45, h67, 2, 3, 10, 11, 6, 7, 14, 15);  /* h4, h6 | h5, h7 */
+    v8 s = __builtin_shufflevector(q0123, q4567, 0, 2, 8, 10, 4, 6, 12, 14) +
+           __builtin_shufflevector(q0123, q4567, 1, 3, 9, 11, 5, 7, 13, 15);  /* s0 s2 s4 s6 | s1 s3 s5 s7 */
+    return __builtin_shufflevector(s, s, 0, 4, 1, 5, 2, 6, 3, 7);
+}
+
+/* nt_rows for K a multiple of 8: blocks of 8 columns of C through sum8x8, the rest as nt_rows_1 does */
+static void nt8_rows(int R, int n0, int n1, int K, float alpha, const float *A, int lda, const float *B,
+                     int ldb, float beta, float *C, int ldc) {
+    int n = n0;
+    for (; n + 8 <= n1; n += 8) {
+        const float *b = B + (size_t)n * ldb;
+        for (int m = 0; m < R; m++) {
+            const float *a = A + (size_t)m * lda;
+            v8 acc[8];
+            for (int j = 0; j < 8; j++) acc[j] = (v8){0};
+            for (int k = 0; k < K; k += 8) {
+                v8 av = load8(a + k);
+                for (int j = 0; j < 8; j++) acc[j] = fma8(load8(b + (size_t)j * ldb + k), av, acc[j]);
+            }
+            v8 dots = sum8x8(acc);
+            float *out = C + (size_t)m * ldc + n;
+            v8 result = beta == 0.f ? splat8(alpha) * dots : splat8(alpha) * dots + splat8(beta) * load8(out);
+            __builtin_memcpy(out, &result, sizeof result);
+        }
+    }
+    if (n < n1)
+        for (int m = 0; m < R; m++)
+            nt_rows_1(n, n1, K, alpha, A + (size_t)m * lda, lda, B, ldb, beta, C + (size_t)m * ldc, ldc);
+}
+
 /* columns n0..n1 of C for R rows of A: C[m, n] = alpha * sum_k A[m, k] B[k, n] + beta * C[m, n].
  * V vectors of 8 columns a pass, R x V accumulators: a row of B is read V x 32 bytes at a time. With
  * one vector a pass, attention's values (K = thousands of cached tokens, N = 64) were read in 32-byte
@@ -162,7 +220,10 @@ void small_gemm(int b_transposed, int M, int N, int K, float alpha, const float 
         int n0 = me * per < N ? me * per : N, n1 = n0 + per < N ? n0 + per : N;
         for (int m0 = 0; m0 < M && n0 < n1; m0 += MAX_ROWS) {
             int rows = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
-            kernels[rows](n0, n1, K, alpha, A + (size_t)m0 * lda, lda, B, ldb, beta, C + (size_t)m0 * ldc, ldc);
+            if (NT8_ENABLED && b_transposed && rows >= NT8_MIN_ROWS && K <= NT8_MAX_K && K % 8 == 0)
+                nt8_rows(rows, n0, n1, K, alpha, A + (size_t)m0 * lda, lda, B, ldb, beta, C + (size_t)m0 * ldc, ldc);
+            else
+                kernels[rows](n0, n1, K, alpha, A + (size_t)m0 * lda, lda, B, ldb, beta, C + (size_t)m0 * ldc, ldc);
         }
     }
 }
