@@ -282,25 +282,3 @@ def test_the_compiled_block_reads_the_layers_parameters_as_they_are_now():
     with pytest.MonkeyPatch.context() as patch:  # the plain path agrees on the new model
         patch.setattr(forward_module, "_compiled_block", forward_module._plain_block)
         assert np.array_equal(replaced, np.array(forward(model, mx.array([[9]]), _prefilled(model, PREFIX)).logits))
-
-
-def test_a_block_with_python_state_in_a_projection_is_not_compiled():
-    """A projection that reads Python state set between forwards (APAR's gated LoRA reads its
-    gate so) would be frozen at a compiled graph's trace: such a block runs op by op."""
-
-    class Switched(nn.Module):
-        def __init__(self, linear):
-            super().__init__()
-            self.linear, self.on = linear, False
-
-        def __call__(self, x):
-            y = self.linear(x)
-            return y * 2.0 if self.on else y
-
-    model = make_tiny_llama(tie=False)
-    plain = np.array(forward(model, mx.array([[9]]), _prefilled(model, PREFIX)).logits)
-    layer = model.model.layers[0]
-    layer.mlp.down_proj = Switched(layer.mlp.down_proj)
-    assert np.array_equal(plain, np.array(forward(model, mx.array([[9]]), _prefilled(model, PREFIX)).logits))
-    layer.mlp.down_proj.on = True  # Python state only: no array changed
-    assert not np.allclose(plain, np.array(forward(model, mx.array([[9]]), _prefilled(model, PREFIX)).logits))

@@ -99,8 +99,7 @@ def attention(attn: nn.Module, x: mx.array, positions: Optional[mx.array], cache
 
 
 def transformer_block(layer: nn.Module, x: mx.array, positions, cache, mask, key_bucket=None) -> mx.array:
-    if (on_cpu() and cache is not None and key_bucket is None and getattr(cache, "observe_queries", None) is None
-            and _plain_projections(layer)):
+    if on_cpu() and cache is not None and key_bucket is None and getattr(cache, "observe_queries", None) is None:
         return _compiled_block(layer, x, positions, cache, mask)
     return _plain_block(layer, x, positions, cache, mask, key_bucket)
 
@@ -111,19 +110,6 @@ def _plain_block(layer: nn.Module, x: mx.array, positions, cache, mask, key_buck
 
 
 _COMPILED_BLOCK = "_mlx_specdec_compiled_block"  # where a layer keeps its compiled halves
-_PLAIN_LINEAR = (nn.Linear, nn.QuantizedLinear)
-_PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
-                ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
-
-
-def _plain_projections(layer: nn.Module) -> bool:
-    """Every projection a plain (or quantized) linear layer: nothing in the block keeps Python state
-    a compiled graph would freeze at its trace (APAR's gated LoRA reads a per-token gate set between
-    forwards). Checked every call (~5 us a layer): adapters can be attached to a loaded model."""
-    for parent, name in _PROJECTIONS:
-        if type(getattr(getattr(layer, parent, None), name, None)) not in _PLAIN_LINEAR:
-            return False
-    return True
 
 
 def _compiled_block(layer: nn.Module, x: mx.array, positions, cache, mask) -> mx.array:
