@@ -59,13 +59,9 @@ def rope_at(rope: nn.Module, x: mx.array, positions: mx.array) -> mx.array:
     length 1. This reuses the model's own RoPE module (plain, Llama-3, YaRN, ...) and gives
     bit-identical results to rotating a contiguous sequence.
     """
-    return _per_token(lambda per_token, starts: apply_rope(rope, per_token, starts), x, positions)
-
-
-def _per_token(rotate, x: mx.array, positions: mx.array) -> mx.array:
     B, H, L, D = x.shape
     per_token = x.transpose(0, 2, 1, 3).reshape(B * L, H, 1, D)  # (B*L, H, 1, D)
-    rotated = rotate(per_token, positions.reshape(-1).astype(mx.int32))
+    rotated = apply_rope(rope, per_token, positions.reshape(-1).astype(mx.int32))
     return rotated.reshape(B, L, H, D).transpose(0, 2, 1, 3)  # (B, H, L, D)
 
 
@@ -99,71 +95,8 @@ def attention(attn: nn.Module, x: mx.array, positions: Optional[mx.array], cache
 
 
 def transformer_block(layer: nn.Module, x: mx.array, positions, cache, mask, key_bucket=None) -> mx.array:
-    if on_cpu() and cache is not None and key_bucket is None and getattr(cache, "observe_queries", None) is None:
-        return _compiled_block(layer, x, positions, cache, mask)
-    return _plain_block(layer, x, positions, cache, mask, key_bucket)
-
-
-def _plain_block(layer: nn.Module, x: mx.array, positions, cache, mask, key_bucket=None) -> mx.array:
     h = x + attention(layer.self_attn, layer.input_layernorm(x), positions, cache, mask, key_bucket)
     return h + layer.mlp(layer.post_attention_layernorm(h))
-
-
-_COMPILED_BLOCK = "_mlx_specdec_compiled_block"  # where a layer keeps its compiled halves
-
-
-def _compiled_block(layer: nn.Module, x: mx.array, positions, cache, mask) -> mx.array:
-    """`transformer_block` on the CPU with what comes before and after the cache's attention as two
-    `mx.compile`d graphs. Python built ~25 small ops a layer anew each forward (~3.5 ms of a ~35 ms
-    one-token forward here, on the same 2 cores as the compute), and compiling them also fuses
-    RoPE with its transposes and the residual adds: a 1-5 token forward after 150 tokens 6-9 %
-    faster (benchmarks/results/compiled_block.md), the same bits (tests/test_forward.py). The
-    layer's parameters are the graphs' inputs, read at every call: new weights are used as they
-    come, and a module replaced by one with other parameters (an adapter) changes the inputs,
-    which traces the graph anew. The cache's update and the attention stay outside: their shapes
-    change every step."""
-    attn = layer.self_attn
-    halves = layer.__dict__.get(_COMPILED_BLOCK)
-    if halves is None:
-        halves = _block_halves(layer)
-        layer.__dict__[_COMPILED_BLOCK] = halves  # a plain attribute: not a parameter of the module
-    before, before_at, after = halves
-    if positions is None:
-        offset = cache.offset
-        queries, keys, values = before(x, offset if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32))
-    else:
-        queries, keys, values = before_at(x, positions)
-    keys, values = cache.update_and_fetch(keys, values)
-    return after(x, attention_over_cache(queries, keys, values, attn.scale, mask))
-
-
-def _block_halves(layer: nn.Module):
-    attn = layer.self_attn
-
-    def projections(x):  # (B, L, D) -> queries (B, Hq, L, Dh), keys and values (B, Hkv, L, Dh)
-        B, L, _ = x.shape
-        h = layer.input_layernorm(x)
-        queries = attn.q_proj(h).reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
-        keys = attn.k_proj(h).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        values = attn.v_proj(h).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        return queries, keys, values
-
-    def before(x, start):  # contiguous positions from `start`
-        queries, keys, values = projections(x)
-        return attn.rope(queries, offset=start), attn.rope(keys, offset=start), values
-
-    def before_at(x, positions):  # per-token positions (B, L)
-        queries, keys, values = projections(x)
-        rotate = lambda per_token, starts: attn.rope(per_token, offset=starts)  # noqa: E731
-        return _per_token(rotate, queries, positions), _per_token(rotate, keys, positions), values
-
-    def after(x, out):  # out (B, Hq, L, Dh): the attention's
-        B, L, _ = x.shape
-        h = x + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-        return h + layer.mlp(layer.post_attention_layernorm(h))
-
-    return (mx.compile(before, inputs=[layer]), mx.compile(before_at, inputs=[layer]),
-            mx.compile(after, inputs=[layer]))
 
 
 def lm_head(model: nn.Module, hidden: mx.array) -> mx.array:
