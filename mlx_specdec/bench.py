@@ -100,7 +100,7 @@ def environment(engine: Engine) -> Dict[str, object]:
     import mlx.core as mx
     import mlx_lm
 
-    from . import _allocator, _blas
+    from . import _allocator, _blas, _jit
 
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
@@ -115,6 +115,7 @@ def environment(engine: Engine) -> Dict[str, object]:
         "device": f"{mx.default_device()} ({_device_name()})",
         "blas": _blas.loaded_blas,
         "malloc": _allocator.allocator,
+        "jit_flags": _jit.jit_flags,  # MLX's CPU kernels (_jit.py)
         "machine": f"{platform.system()} {platform.machine()}, {__import__('os').cpu_count()} cores",
         "python": platform.python_version(),
         "model": lm.name,

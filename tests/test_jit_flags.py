@@ -1,0 +1,81 @@
+"""MLX's CPU kernels built for this CPU (mlx_specdec/_jit.py): the wrapper is found first, never
+calls itself, keeps Python's temporary folder, can be turned off, and every fused kernel returns
+the same bits as MLX's own build of it (a child process without the flags, fresh kernel folder)."""
+
+import mlx_specdec  # noqa: F401  (preloads BLAS before mlx)
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mlx_specdec import _jit
+
+active = pytest.mark.skipif(_jit.jit_flags == "MLX's own",
+                            reason="not a Linux x86-64 CPU with AVX2/FMA/F16C and g++ (or turned off)")
+
+# Fused kernels whose rounding a compiler could change: products added (contraction into an FMA),
+# MLX's exp and sigmoid (its polynomial), mlx-lm's SwiGLU, the attention's fast exp (Horner),
+# RoPE's rotation, and float16.
+KERNELS = r"""
+import mlx_specdec, json, sys
+import mlx.core as mx, numpy as np
+from mlx_lm.models.activations import swiglu
+from mlx_specdec.model.attention import fast_exp
+import mlx.nn as nn
+k = mx.random.key(7)
+a, b, c = (mx.random.normal((3, 1000), key=mx.random.key(i)) * 4 for i in range(3))
+out = {
+    "muladd": mx.compile(lambda a, b, c: a * b + c)(a, b, c),
+    "exp": mx.compile(lambda a: mx.exp(a) * 2)(a),
+    "sigmoid": mx.compile(lambda a: mx.sigmoid(a) + 1)(a),
+    "swiglu": swiglu(a, b),
+    "fast_exp": fast_exp(-mx.abs(a), mx.array(0.5)),
+    "rope": nn.RoPE(64)(mx.random.normal((1, 2, 5, 64), key=k), offset=37),
+    "swiglu16": swiglu(a.astype(mx.float16), b.astype(mx.float16)).astype(mx.float32),
+}
+mx.eval(out)
+print(json.dumps({name: int(np.array(v).view(np.uint32).astype(np.uint64).sum()) for name, v in out.items()}))
+"""
+
+
+def run_kernels(env) -> dict:
+    done = subprocess.run([sys.executable, "-c", KERNELS], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@active
+def test_the_wrapper_comes_first_and_never_calls_itself():
+    folder = Path(os.environ["TMPDIR"])
+    assert shutil.which("g++") == str(folder / "bin" / "g++")
+    script = (folder / "bin" / "g++").read_text()
+    real = script.split("exec '", 1)[1].split("'", 1)[0]
+    assert not Path(real).resolve().is_relative_to((folder.parent).resolve())  # the system's compiler
+    assert all(flag in script for flag in _jit.JIT_FLAGS)
+    assert tempfile.gettempdir() != str(folder)  # Python's temporary files stay in the system's folder
+
+
+@active
+def test_every_fused_kernel_has_the_bits_of_mlxs_own_build(tmp_path):
+    ours = run_kernels(dict(os.environ))
+    own_path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
+                               if not Path(p).resolve().is_relative_to((_jit._cache_dir() / "jit").resolve()))
+    env = dict(os.environ, MLX_SPECDEC_NO_JIT_FLAGS="1", PATH=own_path, TMPDIR=str(tmp_path))
+    env.pop(_jit.SYSTEM_TMPDIR, None)
+    mlx_own = run_kernels(env)
+    assert list((tmp_path / "mlx").glob("*/cpu/*.so")), "the child built its kernels with MLX's flags"
+    assert ours == mlx_own
+
+
+def test_turned_off_it_leaves_path_and_tmpdir_alone(tmp_path):
+    env = dict(os.environ, MLX_SPECDEC_NO_JIT_FLAGS="1", TMPDIR=str(tmp_path), PATH="/usr/bin:/bin")
+    code = "import mlx_specdec, os; from mlx_specdec import _jit; print(_jit.jit_flags, os.environ['TMPDIR'], os.environ['PATH'])"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == f"MLX's own {tmp_path} /usr/bin:/bin"
