@@ -1,5 +1,7 @@
 """`forward`: exact parity with mlx-lm, tree verification with explicit positions and masks."""
 
+import importlib
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -236,3 +238,90 @@ def test_compiled_rope_equals_the_module_bit_for_bit(traditional):
     for shape, offset in cases:
         x = mx.random.normal(shape) * 3
         assert mx.array_equal(apply_rope(rope, x, offset), rope(x, offset=offset)).item(), (shape, offset)
+
+
+def test_the_compiled_block_gives_the_plain_blocks_bits(monkeypatch):
+    """The CPU's compiled halves of a block (model/forward.py `_compiled_block`) against the blocks
+    built op by op: a prefill, one token, a chain, and a tree at per-token positions."""
+    forward_module = importlib.import_module("mlx_specdec.model.forward")  # the module, not the function
+
+    if not forward_module.on_cpu():
+        pytest.skip("the compiled block is the CPU's")
+    model = make_tiny_llama(tie=False)
+
+    def run():
+        cache = _prefilled(model, PREFIX)
+        one = forward(model, mx.array([[9]]), cache).logits
+        chain = forward(model, mx.array([[4, 8, 15]]), cache).logits
+        tree = _verify_tree(model, cache, cache.offset)
+        return [np.array(a) for a in (one, chain, tree)]
+
+    compiled = run()
+    with monkeypatch.context() as patch:
+        patch.setattr(forward_module, "_compiled_block", forward_module._plain_block)
+        plain = run()
+    for a, b in zip(compiled, plain):
+        assert np.array_equal(a, b)
+
+
+def test_the_compiled_block_reads_the_layers_parameters_as_they_are_now():
+    """New weights (a loaded adapter, a re-laid-out matrix) and replaced modules reach the next forward."""
+    forward_module = importlib.import_module("mlx_specdec.model.forward")  # the module, not the function
+
+    model = make_tiny_llama(tie=False)
+    before = np.array(forward(model, mx.array([[9]]), _prefilled(model, PREFIX)).logits)
+    mlp = model.model.layers[0].mlp
+    mlp.down_proj.weight = mlp.down_proj.weight * 2.0  # the same module, a new array
+    doubled = np.array(forward(model, mx.array([[9]]), _prefilled(model, PREFIX)).logits)
+    assert not np.allclose(before, doubled)
+    attn = model.model.layers[1].self_attn
+    # a new module with one more parameter (as an adapter brings): other graph inputs, a new trace
+    attn.o_proj = nn.Linear(attn.o_proj.weight.shape[1], attn.o_proj.weight.shape[0], bias=True)
+    replaced = np.array(forward(model, mx.array([[9]]), _prefilled(model, PREFIX)).logits)
+    assert not np.allclose(doubled, replaced)
+    with pytest.MonkeyPatch.context() as patch:  # the plain path agrees on the new model
+        patch.setattr(forward_module, "_compiled_block", forward_module._plain_block)
+        assert np.array_equal(replaced, np.array(forward(model, mx.array([[9]]), _prefilled(model, PREFIX)).logits))
+
+
+def test_a_block_with_python_state_in_a_projection_is_not_compiled():
+    """A projection that reads Python state set between forwards (APAR's gated LoRA reads its
+    gate so) would be frozen at a compiled graph's trace: such a block runs op by op."""
+
+    class Switched(nn.Module):
+        def __init__(self, linear):
+            super().__init__()
+            self.linear, self.on = linear, False
+
+        def __call__(self, x):
+            y = self.linear(x)
+            return y * 2.0 if self.on else y
+
+    model = make_tiny_llama(tie=False)
+    plain = np.array(forward(model, mx.array([[9]]), _prefilled(model, PREFIX)).logits)
+    layer = model.model.layers[0]
+    layer.mlp.down_proj = Switched(layer.mlp.down_proj)
+    assert np.array_equal(plain, np.array(forward(model, mx.array([[9]]), _prefilled(model, PREFIX)).logits))
+    layer.mlp.down_proj.on = True  # Python state only: no array changed
+    assert not np.allclose(plain, np.array(forward(model, mx.array([[9]]), _prefilled(model, PREFIX)).logits))
+
+
+def test_a_shallow_copy_of_a_model_compiles_its_own_blocks():
+    """APAR's model is a shallow copy of the base model (apar/adapter.py `_share_copy`) that then
+    gets its own modules; the base model's compiled halves, copied with the layer's attributes,
+    still read the base layer: the copy must build its own (it did not, and APAR's answer after two
+    `ar` chats differed from the op-by-op one)."""
+    from mlx_specdec.apar.adapter import _share_copy
+
+    model = make_tiny_llama(tie=False)
+    forward(model, mx.array([[9]]), _prefilled(model, PREFIX))  # the base layers compile their halves
+    copy = _share_copy(model)
+    mlp = copy.model.layers[0].mlp
+    mlp.down_proj = nn.Linear(mlp.down_proj.weight.shape[1], mlp.down_proj.weight.shape[0], bias=False)
+    base = np.array(forward(model, mx.array([[9]]), _prefilled(model, PREFIX)).logits)
+    copied = np.array(forward(copy, mx.array([[9]]), _prefilled(copy, PREFIX)).logits)
+    assert not np.allclose(base, copied)
+    forward_module = importlib.import_module("mlx_specdec.model.forward")
+    with pytest.MonkeyPatch.context() as patch:  # what the copy gives op by op
+        patch.setattr(forward_module, "_compiled_block", forward_module._plain_block)
+        assert np.array_equal(copied, np.array(forward(copy, mx.array([[9]]), _prefilled(copy, PREFIX)).logits))

@@ -13,6 +13,7 @@ attention a faster way (`attention.py`), equal up to float rounding.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
@@ -32,6 +33,18 @@ class ForwardOutput:
 _COMPILED_ROPE = "_mlx_specdec_compiled_rope"  # where a rope module keeps its compiled call
 
 
+def _kept_for(module: nn.Module, key: str, make):
+    """What `make()` built for this very module, kept in a plain attribute (not a parameter). It
+    is stored with its owner: a shallow copy of the module (APAR's model shares the base model's
+    arrays through `copy.copy`, apar/adapter.py) inherits the attribute, but its compiled graphs
+    would still read the original's weights, so a copy builds its own."""
+    owner, built = module.__dict__.get(key, (None, None))
+    if owner is not module:
+        built = make()
+        module.__dict__[key] = (module, built)
+    return built
+
+
 def apply_rope(rope: nn.Module, x: mx.array, offset: Union[int, mx.array]) -> mx.array:
     """`rope(x, offset=offset)`; on the CPU through one `mx.compile`d graph per rope module.
 
@@ -44,10 +57,7 @@ def apply_rope(rope: nn.Module, x: mx.array, offset: Union[int, mx.array]) -> mx
     """
     if not on_cpu():
         return rope(x, offset=offset)
-    compiled = rope.__dict__.get(_COMPILED_ROPE)
-    if compiled is None:
-        compiled = mx.compile(lambda values, start: rope(values, offset=start))
-        rope.__dict__[_COMPILED_ROPE] = compiled  # a plain attribute: not a parameter of the module
+    compiled = _kept_for(rope, _COMPILED_ROPE, lambda: mx.compile(lambda values, start: rope(values, offset=start)))
     start = offset if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32)
     return compiled(x, start)
 
@@ -59,9 +69,13 @@ def rope_at(rope: nn.Module, x: mx.array, positions: mx.array) -> mx.array:
     length 1. This reuses the model's own RoPE module (plain, Llama-3, YaRN, ...) and gives
     bit-identical results to rotating a contiguous sequence.
     """
+    return _per_token(lambda per_token, starts: apply_rope(rope, per_token, starts), x, positions)
+
+
+def _per_token(rotate, x: mx.array, positions: mx.array) -> mx.array:
     B, H, L, D = x.shape
     per_token = x.transpose(0, 2, 1, 3).reshape(B * L, H, 1, D)  # (B*L, H, 1, D)
-    rotated = apply_rope(rope, per_token, positions.reshape(-1).astype(mx.int32))
+    rotated = rotate(per_token, positions.reshape(-1).astype(mx.int32))
     return rotated.reshape(B, L, H, D).transpose(0, 2, 1, 3)  # (B, H, L, D)
 
 
@@ -95,8 +109,83 @@ def attention(attn: nn.Module, x: mx.array, positions: Optional[mx.array], cache
 
 
 def transformer_block(layer: nn.Module, x: mx.array, positions, cache, mask, key_bucket=None) -> mx.array:
+    if (COMPILED_BLOCKS and on_cpu() and cache is not None and key_bucket is None and getattr(cache, "observe_queries", None) is None
+            and _plain_projections(layer)):
+        return _compiled_block(layer, x, positions, cache, mask)
+    return _plain_block(layer, x, positions, cache, mask, key_bucket)
+
+
+def _plain_block(layer: nn.Module, x: mx.array, positions, cache, mask, key_bucket=None) -> mx.array:
     h = x + attention(layer.self_attn, layer.input_layernorm(x), positions, cache, mask, key_bucket)
     return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+_COMPILED_BLOCK = "_mlx_specdec_compiled_block"  # where a layer keeps its compiled halves
+COMPILED_BLOCKS = not os.environ.get("MLX_SPECDEC_OP_BY_OP")  # =1: every block op by op (to compare)
+_PLAIN_LINEAR = (nn.Linear, nn.QuantizedLinear)
+_PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
+                ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+
+
+def _plain_projections(layer: nn.Module) -> bool:
+    """Every projection a plain (or quantized) linear layer: nothing in the block keeps Python state
+    a compiled graph would freeze at its trace (APAR's gated LoRA reads a per-token gate set between
+    forwards). Checked every call (~5 us a layer): adapters can be attached to a loaded model."""
+    for parent, name in _PROJECTIONS:
+        if type(getattr(getattr(layer, parent, None), name, None)) not in _PLAIN_LINEAR:
+            return False
+    return True
+
+
+def _compiled_block(layer: nn.Module, x: mx.array, positions, cache, mask) -> mx.array:
+    """`transformer_block` on the CPU with what comes before and after the cache's attention as two
+    `mx.compile`d graphs. Python built ~25 small ops a layer anew each forward (~3.5 ms of a ~35 ms
+    one-token forward here, on the same 2 cores as the compute), and compiling them also fuses
+    RoPE with its transposes and the residual adds: a 1-5 token forward after 150 tokens 6-9 %
+    faster (benchmarks/results/compiled_block.md), the same bits (tests/test_forward.py). The
+    layer's parameters are the graphs' inputs, read at every call: new weights are used as they
+    come, and a module replaced by one with other parameters (an adapter) changes the inputs,
+    which traces the graph anew. The cache's update and the attention stay outside: their shapes
+    change every step."""
+    attn = layer.self_attn
+    halves = _kept_for(layer, _COMPILED_BLOCK, lambda: _block_halves(layer))
+    before, before_at, after = halves
+    if positions is None:
+        offset = cache.offset
+        queries, keys, values = before(x, offset if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32))
+    else:
+        queries, keys, values = before_at(x, positions)
+    keys, values = cache.update_and_fetch(keys, values)
+    return after(x, attention_over_cache(queries, keys, values, attn.scale, mask))
+
+
+def _block_halves(layer: nn.Module):
+    attn = layer.self_attn
+
+    def projections(x):  # (B, L, D) -> queries (B, Hq, L, Dh), keys and values (B, Hkv, L, Dh)
+        B, L, _ = x.shape
+        h = layer.input_layernorm(x)
+        queries = attn.q_proj(h).reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
+        keys = attn.k_proj(h).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        values = attn.v_proj(h).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return queries, keys, values
+
+    def before(x, start):  # contiguous positions from `start`
+        queries, keys, values = projections(x)
+        return attn.rope(queries, offset=start), attn.rope(keys, offset=start), values
+
+    def before_at(x, positions):  # per-token positions (B, L)
+        queries, keys, values = projections(x)
+        rotate = lambda per_token, starts: attn.rope(per_token, offset=starts)  # noqa: E731
+        return _per_token(rotate, queries, positions), _per_token(rotate, keys, positions), values
+
+    def after(x, out):  # out (B, Hq, L, Dh): the attention's
+        B, L, _ = x.shape
+        h = x + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    return (mx.compile(before, inputs=[layer]), mx.compile(before_at, inputs=[layer]),
+            mx.compile(after, inputs=[layer]))
 
 
 def lm_head(model: nn.Module, hidden: mx.array) -> mx.array:
