@@ -109,8 +109,8 @@ def attention(attn: nn.Module, x: mx.array, positions: Optional[mx.array], cache
 
 
 def transformer_block(layer: nn.Module, x: mx.array, positions, cache, mask, key_bucket=None) -> mx.array:
-    if (COMPILED_BLOCKS and on_cpu() and cache is not None and key_bucket is None and getattr(cache, "observe_queries", None) is None
-            and _plain_projections(layer)):
+    if (COMPILED_BLOCKS and on_cpu() and cache is not None and key_bucket is None
+            and getattr(cache, "observe_queries", None) is None and _plain_projections(layer)):
         return _compiled_block(layer, x, positions, cache, mask)
     return _plain_block(layer, x, positions, cache, mask, key_bucket)
 
