@@ -141,8 +141,9 @@ def _compiled_block(layer: nn.Module, x: mx.array, positions, cache, mask) -> mx
     """`transformer_block` on the CPU with what comes before and after the cache's attention as two
     `mx.compile`d graphs. Python built ~25 small ops a layer anew each forward (~3.5 ms of a ~35 ms
     one-token forward here, on the same 2 cores as the compute), and compiling them also fuses
-    RoPE with its transposes and the residual adds: a 1-5 token forward after 150 tokens 6-9 %
-    faster (benchmarks/results/compiled_block.md), the same bits (tests/test_forward.py). The
+    RoPE with its transposes and the residual adds: a 1-5 token forward after 150 tokens 2-8 %
+    faster, `ar` +3 % and `redrafter` +6 % at the bench (benchmarks/results/compiled_block.md,
+    issue18_stop37.md), the same bits (tests/test_forward.py). The
     layer's parameters are the graphs' inputs, read at every call: new weights are used as they
     come, and a module replaced by one with other parameters (an adapter) changes the inputs,
     which traces the graph anew. The cache's update and the attention stay outside: their shapes
