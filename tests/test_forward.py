@@ -325,3 +325,27 @@ def test_a_shallow_copy_of_a_model_compiles_its_own_blocks():
     with pytest.MonkeyPatch.context() as patch:  # what the copy gives op by op
         patch.setattr(forward_module, "_compiled_block", forward_module._plain_block)
         assert np.array_equal(copied, np.array(forward(copy, mx.array([[9]]), _prefilled(copy, PREFIX)).logits))
+
+
+@pytest.mark.parametrize("traditional", [True, False])
+def test_rope_tables_rotate_with_the_modules_bits(traditional):
+    """model/rope_table.py: cos and sin read off the module rotating a unit vector, applied by
+    `rotate`, give the module's bits at every offset and length (both pair layouts)."""
+    from mlx_specdec.model import rope_table
+
+    for base in (10000.0, 100000.0):
+        rope = nn.RoPE(64, traditional=traditional, base=base)
+        for heads, length, offset in [(9, 1, 0), (3, 1, 150), (9, 5, 37), (3, 13, 999), (9, 2, 6001), (3, 4, 32000)]:
+            x = mx.random.normal((1, heads, length, 64), key=mx.random.key(offset + length)) * 3
+            cos, sin = rope_table.tables(rope, lambda unit, start: rope(unit, offset=start), offset, length)
+            assert mx.array_equal(rope_table.rotate(x, cos, sin, traditional), rope(x, offset=offset)).item()
+
+
+def test_rope_tables_only_for_one_plain_rope_over_whole_heads():
+    from mlx_specdec.model import rope_table
+
+    model = make_tiny_llama(tie=False)
+    layers = model.model.layers
+    assert rope_table.shared_rope(layers) is layers[0].self_attn.rope
+    layers[1].self_attn.rope = nn.RoPE(layers[1].self_attn.rope.dims, base=1234.0)  # another base
+    assert rope_table.shared_rope(layers) is None

@@ -22,6 +22,7 @@ import mlx.nn as nn
 
 from .attention import Mask, attention_over_cache, bucket_mask, verify_key_bucket, widen_tail_mask
 from .device import on_cpu
+from .rope_table import rotate, shared_rope, tables
 
 
 @dataclass
@@ -108,14 +109,37 @@ def attention(attn: nn.Module, x: mx.array, positions: Optional[mx.array], cache
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))  # (B, L, D)
 
 
-def transformer_block(layer: nn.Module, x: mx.array, positions, cache, mask, key_bucket=None) -> mx.array:
+def transformer_block(layer: nn.Module, x: mx.array, positions, cache, mask, key_bucket=None,
+                      rope_tables=None) -> mx.array:
+    """rope_tables: the forward's `RopeTables` (CPU, one plain RoPE in every layer) or None."""
     if (COMPILED_BLOCKS and on_cpu() and cache is not None and key_bucket is None
             and getattr(cache, "observe_queries", None) is None and _plain_projections(layer)):
-        return _compiled_block(layer, x, positions, cache, mask)
+        return _compiled_block(layer, x, positions, cache, mask, rope_tables=rope_tables)
     return _plain_block(layer, x, positions, cache, mask, key_bucket)
 
 
-def _plain_block(layer: nn.Module, x: mx.array, positions, cache, mask, key_bucket=None) -> mx.array:
+class RopeTables:
+    """One forward's RoPE cosines and sines (model/rope_table.py), made at the first layer that
+    asks for an offset and shared by the others."""
+
+    def __init__(self, rope: nn.RoPE):
+        self.rope, self.made = rope, {}
+
+    def at(self, offset: int, length: int):
+        if offset not in self.made:
+            self.made[offset] = tables(self.rope, lambda unit, start: apply_rope(self.rope, unit, start), offset, length)
+        return self.made[offset]
+
+    @classmethod
+    def for_forward(cls, layers, positions) -> Optional["RopeTables"]:
+        if not (COMPILED_BLOCKS and positions is None and on_cpu()):
+            return None
+        rope = shared_rope(layers)
+        return cls(rope) if rope is not None else None
+
+
+def _plain_block(layer: nn.Module, x: mx.array, positions, cache, mask, key_bucket=None, rope_tables=None) -> mx.array:
+    """The block op by op (rope_tables unused: each layer's RoPE module rotates its own)."""
     h = x + attention(layer.self_attn, layer.input_layernorm(x), positions, cache, mask, key_bucket)
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
@@ -137,7 +161,7 @@ def _plain_projections(layer: nn.Module) -> bool:
     return True
 
 
-def _compiled_block(layer: nn.Module, x: mx.array, positions, cache, mask) -> mx.array:
+def _compiled_block(layer: nn.Module, x: mx.array, positions, cache, mask, rope_tables=None) -> mx.array:
     """`transformer_block` on the CPU with what comes before and after the cache's attention as two
     `mx.compile`d graphs. Python built ~25 small ops a layer anew each forward (~3.5 ms of a ~35 ms
     one-token forward here, on the same 2 cores as the compute), and compiling them also fuses
@@ -150,9 +174,11 @@ def _compiled_block(layer: nn.Module, x: mx.array, positions, cache, mask) -> mx
     change every step."""
     attn = layer.self_attn
     halves = _kept_for(layer, _COMPILED_BLOCK, lambda: _block_halves(layer))
-    before, before_at, after = halves
-    if positions is None:
-        offset = cache.offset
+    before, before_at, before_rotated, after = halves
+    offset = cache.offset if positions is None else None  # (a pool of threads has none: positions)
+    if isinstance(offset, int) and rope_tables is not None and x.dtype == mx.float32:
+        queries, keys, values = before_rotated(x, *rope_tables.at(offset, x.shape[1]))
+    elif positions is None:
         queries, keys, values = before(x, offset if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32))
     else:
         queries, keys, values = before_at(x, positions)
@@ -180,13 +206,18 @@ def _block_halves(layer: nn.Module):
         rotate = lambda per_token, starts: attn.rope(per_token, offset=starts)  # noqa: E731
         return _per_token(rotate, queries, positions), _per_token(rotate, keys, positions), values
 
+    def before_rotated(x, cos, sin):  # contiguous positions, RoPE's tables made once per forward
+        queries, keys, values = projections(x)
+        traditional = attn.rope.traditional
+        return rotate(queries, cos, sin, traditional), rotate(keys, cos, sin, traditional), values
+
     def after(x, out):  # out (B, Hq, L, Dh): the attention's
         B, L, _ = x.shape
         h = x + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     return (mx.compile(before, inputs=[layer]), mx.compile(before_at, inputs=[layer]),
-            mx.compile(after, inputs=[layer]))
+            mx.compile(before_rotated, inputs=[layer]), mx.compile(after, inputs=[layer]))
 
 
 def lm_head(model: nn.Module, hidden: mx.array) -> mx.array:
@@ -226,8 +257,9 @@ def forward(
         mask = bucket_mask(mask, h.shape[1], cached + h.shape[1], key_bucket)
     elif isinstance(mask, mx.array) and cached is not None:
         mask = widen_tail_mask(mask, cached + h.shape[1])  # once here for every layer
+    rope_tables = RopeTables.for_forward(inner.layers, positions)
     for layer, layer_cache in zip(inner.layers, layer_caches):
-        h = transformer_block(layer, h, positions, layer_cache, mask, key_bucket)
+        h = transformer_block(layer, h, positions, layer_cache, mask, key_bucket, rope_tables)
     hidden = inner.norm(h)
 
     if isinstance(logits_for, str):

@@ -1,0 +1,60 @@
+"""RoPE's cosines and sines computed once per forward on the CPU, shared by every layer.
+
+MLX's CPU RoPE (`mx.fast.rope`'s fallback) computes the frequencies, the angles and their cosines
+and sines anew on each call: ~6 small kernels for each of a layer's two calls (queries, keys),
+~360 of a one-token forward's ~2,700 ops, for the same handful of numbers in every layer. Here
+they are read once, from the model's own RoPE module rotating a unit vector: each pair (1, 0)
+comes out as (cos, sin) exactly (1*c - 0*s = c, 1*s + 0*c = s), so they are the very values the
+module multiplies by. `rotate` then applies them as the module does (two products, one sum each),
+with the same bits (tests/test_forward.py). Used for float32 activations and plain `nn.RoPE`
+modules rotating a whole head, shared by every layer (the default model and every Llama without
+rope scaling); anything else keeps its module (a float16 RoPE rounds once, after both products).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+Tables = Tuple[mx.array, mx.array]  # cos, sin: (1, 1, L, D/2)
+
+
+def shared_rope(layers: Sequence[nn.Module]) -> Optional[nn.RoPE]:
+    """The one plain RoPE every layer uses, rotating whole heads; else None."""
+    first = layers[0].self_attn
+    rope = getattr(first, "rope", None)
+    if type(rope) is not nn.RoPE or rope.dims != getattr(first, "head_dim", None) or rope.dims % 2:
+        return None
+    key = (rope.dims, rope.traditional, rope.base, rope.scale)
+    for layer in layers[1:]:
+        other = getattr(layer.self_attn, "rope", None)
+        if type(other) is not nn.RoPE or (other.dims, other.traditional, other.base, other.scale) != key:
+            return None
+    return rope
+
+
+def tables(rope: nn.RoPE, rotate_with, offset, length: int) -> Tables:
+    """cos, sin (1, 1, length, D/2) at positions offset .. offset + length - 1, as `rotate_with(x,
+    offset)` (the module, or its compiled call) multiplies by them."""
+    half = rope.dims // 2
+    ones, zeros = mx.ones((1, 1, length, half)), mx.zeros((1, 1, length, half))
+    if rope.traditional:  # pairs (x[2i], x[2i+1])
+        unit = mx.stack([ones, zeros], axis=-1).reshape(1, 1, length, rope.dims)
+        out = rotate_with(unit, offset).reshape(1, 1, length, half, 2)
+        return out[..., 0], out[..., 1]
+    unit = mx.concatenate([ones, zeros], axis=-1)  # halves (x[:D/2], x[D/2:])
+    out = rotate_with(unit, offset)
+    return out[..., :half], out[..., half:]
+
+
+def rotate(x: mx.array, cos: mx.array, sin: mx.array, traditional: bool) -> mx.array:
+    """x (B, H, L, D) rotated by the tables: (a, b) -> (a c - b s, a s + b c) per pair."""
+    B, H, L, D = x.shape
+    if traditional:
+        pairs = x.reshape(B, H, L, D // 2, 2)
+        a, b = pairs[..., 0], pairs[..., 1]
+        return mx.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(B, H, L, D)
+    a, b = x[..., : D // 2], x[..., D // 2:]
+    return mx.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
