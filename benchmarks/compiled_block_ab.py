@@ -1,36 +1,70 @@
-"""Each block compiled (model/forward.py `_compiled_block`) against op by op, in one process.
+"""Two ways of running the default model's blocks on the CPU, A/B in one process.
 
-    python benchmarks/compiled_block_ab.py
+    python benchmarks/compiled_block_ab.py                 # each block compiled vs op by op
+    python benchmarks/compiled_block_ab.py --rope-tables   # RoPE's tables once a forward vs per layer
 
-Forwards of T = 1..5 query tokens after 150 cached tokens of the default model, both paths
-interleaved, every logit computed; checks the two give the same bits first, then prints median
-milliseconds per path and their ratio (benchmarks/results/compiled_block.md).
+Forwards of T = 1..5 query tokens after 150 cached tokens, both ways interleaved, every logit
+computed; checks the two give the same bits first, then prints median milliseconds per way and
+their ratio (benchmarks/results/compiled_block.md, issue18_stop37.md). The first compares
+model/forward.py `_compiled_block` with `_plain_block`; the second, both compiled, RoPE's cosines
+and sines made once per forward (model/rope_table.py) with each layer's RoPE module making its own.
 """
-import time, importlib
-import mlx_specdec  # noqa
+
+import argparse
+import importlib
+import time
+
+import mlx_specdec  # noqa: F401  (preloads BLAS before mlx)
 import mlx.core as mx
 import numpy as np
+
 from mlx_specdec.engine import Engine
 from mlx_specdec.model.timing import prefilled
-F = importlib.import_module("mlx_specdec.model.forward")
-model = Engine.load("default").lm.model
-cache = prefilled(model, 1, 150)
-compiled = F._compiled_block
-plain = lambda layer, x, positions, cache, mask: F._plain_block(layer, x, positions, cache, mask)
-def run(T, use):
-    F._compiled_block = compiled if use else plain
-    t0 = time.perf_counter()
-    out = F.forward(model, mx.array([[5 + i for i in range(T)]]), cache, logits_for="all")
-    mx.eval(out.logits)
-    dt = time.perf_counter() - t0
-    cache.trim(T)
-    return dt, np.array(out.logits)
-for T in [1, 3]:
-    assert np.array_equal(run(T, True)[1], run(T, False)[1])
-for T in [1, 2, 3, 4, 5]:
-    r = {True: [], False: []}
-    for i in range(50):
-        for use in (False, True):
-            dt = run(T, use)[0]
-            if i >= 3: r[use].append(dt)
-    print(T, f"plain {1000*np.median(r[False]):.2f} compiled {1000*np.median(r[True]):.2f} ratio {np.median(r[True])/np.median(r[False]):.3f}", flush=True)
+
+F = importlib.import_module("mlx_specdec.model.forward")  # the module, not the function
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rope-tables", action="store_true", help="compare RoPE's shared tables instead")
+    parser.add_argument("--rounds", type=int, default=50)
+    args = parser.parse_args()
+    model = Engine.load("default").lm.model
+    cache = prefilled(model, 1, 150)
+    compiled, tables = F._compiled_block, F.RopeTables.for_forward
+    if args.rope_tables:
+        names = ("per layer", "tables")
+        ways = {False: lambda: setattr(F.RopeTables, "for_forward", staticmethod(lambda layers, positions: None)),
+                True: lambda: setattr(F.RopeTables, "for_forward", tables)}
+    else:
+        names = ("op by op", "compiled")
+        ways = {False: lambda: setattr(F, "_compiled_block", F._plain_block),
+                True: lambda: setattr(F, "_compiled_block", compiled)}
+
+    def run(tokens: int, use: bool):
+        ways[use]()
+        start = time.perf_counter()
+        out = F.forward(model, mx.array([[5 + i for i in range(tokens)]]), cache, logits_for="all")
+        mx.eval(out.logits)
+        seconds = time.perf_counter() - start
+        cache.trim(tokens)
+        return seconds, np.array(out.logits)
+
+    for tokens in (1, 3, 5):
+        assert np.array_equal(run(tokens, True)[1], run(tokens, False)[1]), "not the same bits"
+    print(f"same bits; median ms of {args.rounds - 3} interleaved forwards after 150 tokens")
+    print(f"| query tokens | {names[0]} (ms) | {names[1]} (ms) | ratio |")
+    print("|---:|---:|---:|---:|")
+    for tokens in (1, 2, 3, 4, 5):
+        times = {True: [], False: []}
+        for round_ in range(args.rounds):
+            for use in (False, True):
+                seconds = run(tokens, use)[0]
+                if round_ >= 3:
+                    times[use].append(seconds)
+        a, b = np.median(times[False]), np.median(times[True])
+        print(f"| {tokens} | {1e3 * a:.2f} | {1e3 * b:.2f} | {b / a:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
