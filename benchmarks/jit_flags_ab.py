@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
 import mlx_specdec  # noqa: F401  (sets the flags up in this process, so os.environ has them)
 from mlx_specdec import _jit
@@ -57,15 +56,11 @@ def main():
     args = parser.parse_args()
     if _jit.jit_flags == "MLX's own":
         raise SystemExit("the flags do not apply here (not a Linux x86-64 CPU with AVX2/FMA/F16C and g++)")
-    ours = (_jit._cache_dir() / "jit").resolve()
-    plain_path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
-                                 if p and not Path(p).resolve().is_relative_to(ours))
     print(f"30 SwiGLU kernels (1536 wide) less 30 adds, ms; flags: {_jit.jit_flags}")
     print("| round | T | MLX's flags | this CPU's | same bits |")
     print("|---:|---:|---:|---:|---|")
     with tempfile.TemporaryDirectory() as fresh:
-        env = dict(os.environ, MLX_SPECDEC_NO_JIT_FLAGS="1", PATH=plain_path, TMPDIR=fresh)
-        env.pop(_jit.SYSTEM_TMPDIR, None)
+        env = _jit.env_with_mlx_flags(fresh)
         for round_ in range(args.rounds):
             own, fast = child(env), child(dict(os.environ))
             for tokens in ("1", "5"):

@@ -39,15 +39,25 @@ SYSTEM_TMPDIR = "MLX_SPECDEC_SYSTEM_TMPDIR"  # the temporary folder before ours,
 jit_flags: str = "MLX's own"
 
 
-def _real_compiler(own_root: Path) -> Optional[str]:
-    """The first g++ on PATH that is not one of our wrappers (a child process inherits our PATH)."""
-    for folder in os.environ.get("PATH", "").split(os.pathsep):
-        if not folder or Path(folder).resolve().is_relative_to(own_root.resolve()):
-            continue
-        found = shutil.which("g++", path=folder)
-        if found:
-            return found
-    return None
+def path_without_wrappers(path: str) -> str:
+    """PATH less our wrappers' folders (a child process inherits ours)."""
+    own_root = (_cache_dir() / "jit").resolve()
+    return os.pathsep.join(folder for folder in path.split(os.pathsep)
+                           if folder and not Path(folder).resolve().is_relative_to(own_root))
+
+
+def env_with_mlx_flags(kernel_folder: str) -> dict:
+    """This process's environment for a child that lets MLX build with its own flags into
+    `kernel_folder` (benchmarks and tests compare the two builds)."""
+    env = dict(os.environ, MLX_SPECDEC_NO_JIT_FLAGS="1", PATH=path_without_wrappers(os.environ.get("PATH", "")),
+               TMPDIR=kernel_folder)
+    env.pop(SYSTEM_TMPDIR, None)
+    return env
+
+
+def _real_compiler() -> Optional[str]:
+    """The system's g++, never one of our wrappers."""
+    return shutil.which("g++", path=path_without_wrappers(os.environ.get("PATH", "")))
 
 
 def _cpu_has_flags() -> bool:
@@ -66,12 +76,11 @@ def wrapper_folder() -> Optional[Path]:
     where this does not apply or the compiler refuses the flags."""
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64") or not _cpu_has_flags():
         return None
-    root = _cache_dir() / "jit"
-    compiler = _real_compiler(root)
+    compiler = _real_compiler()
     if compiler is None:
         return None
     key = hashlib.sha256((" ".join(JIT_FLAGS) + compiler + _cpu_signature()).encode()).hexdigest()[:16]
-    folder = root / key
+    folder = _cache_dir() / "jit" / key
     wrapper = folder / "bin" / "g++"
     if wrapper.exists():
         return folder

@@ -65,11 +65,7 @@ def test_the_wrapper_comes_first_and_never_calls_itself():
 @active
 def test_every_fused_kernel_has_the_bits_of_mlxs_own_build(tmp_path):
     ours = run_kernels(dict(os.environ))
-    own_path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
-                               if not Path(p).resolve().is_relative_to((_jit._cache_dir() / "jit").resolve()))
-    env = dict(os.environ, MLX_SPECDEC_NO_JIT_FLAGS="1", PATH=own_path, TMPDIR=str(tmp_path))
-    env.pop(_jit.SYSTEM_TMPDIR, None)
-    mlx_own = run_kernels(env)
+    mlx_own = run_kernels(_jit.env_with_mlx_flags(str(tmp_path)))
     assert list((tmp_path / "mlx").glob("*/cpu/*.so")), "the child built its kernels with MLX's flags"
     assert ours == mlx_own
 
