@@ -2,12 +2,16 @@
 
     python benchmarks/compiled_block_ab.py                 # each block compiled vs op by op
     python benchmarks/compiled_block_ab.py --rope-tables   # RoPE's tables once a forward vs per layer
+    python benchmarks/compiled_block_ab.py --rope-tables --tree  # the same for verified trees
 
 Forwards of T = 1..5 query tokens after 150 cached tokens, both ways interleaved, every logit
 computed; checks the two give the same bits first, then prints median milliseconds per way and
 their ratio (benchmarks/results/compiled_block.md, issue18_stop37.md). The first compares
 model/forward.py `_compiled_block` with `_plain_block`; the second, both compiled, RoPE's cosines
 and sines made once per forward (model/rope_table.py) with each layer's RoPE module making its own.
+--tree verifies a tree at per-token positions instead of a chain (the root, a chain under it and
+siblings of its first draft, as `redrafter`'s runners-up make them), where the layers' RoPE
+rotates each token on its own (`rope_at`) and the tables give one row per token (`tables_at`).
 """
 
 import argparse
@@ -18,6 +22,7 @@ import mlx_specdec  # noqa: F401  (preloads BLAS before mlx)
 import mlx.core as mx
 import numpy as np
 
+from mlx_specdec import masks
 from mlx_specdec.engine import Engine
 from mlx_specdec.model.timing import prefilled
 
@@ -27,6 +32,7 @@ F = importlib.import_module("mlx_specdec.model.forward")  # the module, not the 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rope-tables", action="store_true", help="compare RoPE's shared tables instead")
+    parser.add_argument("--tree", action="store_true", help="verify trees at per-token positions")
     parser.add_argument("--rounds", type=int, default=50)
     args = parser.parse_args()
     model = Engine.load("default").lm.model
@@ -43,8 +49,13 @@ def main():
 
     def run(tokens: int, use: bool):
         ways[use]()
+        where = {}
+        if args.tree:  # a chain of up to 3 from the root, the rest siblings of its first draft
+            parents = [-1] + [min(i, 2) if i < 3 else 0 for i in range(tokens - 1)]
+            where = dict(positions=masks.ragged_tree_positions(np.array([cache.offset]), [parents], tokens),
+                         mask=masks.tree_tail_mask([parents], tokens))
         start = time.perf_counter()
-        out = F.forward(model, mx.array([[5 + i for i in range(tokens)]]), cache, logits_for="all")
+        out = F.forward(model, mx.array([[5 + i for i in range(tokens)]]), cache, logits_for="all", **where)
         mx.eval(out.logits)
         seconds = time.perf_counter() - start
         cache.trim(tokens)
@@ -52,10 +63,11 @@ def main():
 
     for tokens in (1, 3, 5):
         assert np.array_equal(run(tokens, True)[1], run(tokens, False)[1]), "not the same bits"
-    print(f"same bits; median ms of {args.rounds - 3} interleaved forwards after 150 tokens")
+    print(f"same bits; median ms of {args.rounds - 3} interleaved forwards after 150 tokens"
+          + (" (trees at per-token positions)" if args.tree else ""))
     print(f"| query tokens | {names[0]} (ms) | {names[1]} (ms) | ratio |")
     print("|---:|---:|---:|---:|")
-    for tokens in (1, 2, 3, 4, 5):
+    for tokens in (1, 2, 3, 4, 5, 6) if args.tree else (1, 2, 3, 4, 5):
         times = {True: [], False: []}
         for round_ in range(args.rounds):
             for use in (False, True):

@@ -349,3 +349,20 @@ def test_rope_tables_only_for_one_plain_rope_over_whole_heads():
     assert rope_table.shared_rope(layers) is layers[0].self_attn.rope
     layers[1].self_attn.rope = nn.RoPE(layers[1].self_attn.rope.dims, base=1234.0)  # another base
     assert rope_table.shared_rope(layers) is None
+
+
+@pytest.mark.parametrize("traditional", [True, False])
+def test_rope_tables_at_per_token_positions_rotate_with_the_modules_bits(traditional):
+    """model/rope_table.py `tables_at`: one table row per token at its own position (a verified
+    tree's) gives the bits of the module rotating each token at its position (`rope_at`)."""
+    from mlx_specdec.model import rope_table
+
+    rope = nn.RoPE(64, traditional=traditional, base=10000.0)
+    for heads, positions in [(9, [[0]]), (3, [[150, 151, 151, 152, 151]]), (9, [[37, 38, 39], [12, 13, 13]]),
+                             (3, [[31999, 32000, 32000, 32001]])]:
+        positions = mx.array(positions)
+        B, L = positions.shape
+        x = mx.random.normal((B, heads, L, 64), key=mx.random.key(L)) * 3
+        cos, sin = rope_table.tables_at(rope, lambda unit, starts: rope(unit, offset=starts), positions)
+        assert cos.shape == sin.shape == (B, 1, L, 32)
+        assert mx.array_equal(rope_table.rotate(x, cos, sin, traditional), rope_at(rope, x, positions)).item()

@@ -22,7 +22,7 @@ import mlx.nn as nn
 
 from .attention import Mask, attention_over_cache, bucket_mask, verify_key_bucket, widen_tail_mask
 from .device import on_cpu
-from .rope_table import rotate, shared_rope, tables
+from .rope_table import rotate, shared_rope, tables, tables_at
 
 
 @dataclass
@@ -130,9 +130,16 @@ class RopeTables:
             self.made[offset] = tables(self.rope, lambda unit, start: apply_rope(self.rope, unit, start), offset, length)
         return self.made[offset]
 
+    def at_positions(self, positions: mx.array):
+        """The tables at per-token positions (B, L): the forward's one `positions` array."""
+        if "positions" not in self.made:
+            self.made["positions"] = tables_at(self.rope, lambda unit, starts: apply_rope(self.rope, unit, starts),
+                                               positions)
+        return self.made["positions"]
+
     @classmethod
     def for_forward(cls, layers, positions) -> Optional["RopeTables"]:
-        if not (COMPILED_BLOCKS and positions is None and on_cpu()):
+        if not (COMPILED_BLOCKS and on_cpu()):
             return None
         rope = shared_rope(layers)
         return cls(rope) if rope is not None else None
@@ -178,6 +185,8 @@ def _compiled_block(layer: nn.Module, x: mx.array, positions, cache, mask, rope_
     offset = cache.offset if positions is None else None  # (a pool of threads has none: positions)
     if isinstance(offset, int) and rope_tables is not None and x.dtype == mx.float32:
         queries, keys, values = before_rotated(x, *rope_tables.at(offset, x.shape[1]))
+    elif positions is not None and rope_tables is not None and x.dtype == mx.float32:
+        queries, keys, values = before_rotated(x, *rope_tables.at_positions(positions))
     elif positions is None:
         queries, keys, values = before(x, offset if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32))
     else:
@@ -206,7 +215,7 @@ def _block_halves(layer: nn.Module):
         rotate = lambda per_token, starts: attn.rope(per_token, offset=starts)  # noqa: E731
         return _per_token(rotate, queries, positions), _per_token(rotate, keys, positions), values
 
-    def before_rotated(x, cos, sin):  # contiguous positions, RoPE's tables made once per forward
+    def before_rotated(x, cos, sin):  # RoPE's tables made once per forward: (1|B, 1, L, Dh/2)
         queries, keys, values = projections(x)
         traditional = attn.rope.traditional
         return rotate(queries, cos, sin, traditional), rotate(keys, cos, sin, traditional), values

@@ -6,7 +6,8 @@ and sines anew on each call: ~6 small kernels for each of a layer's two calls (q
 they are read once, from the model's own RoPE module rotating a unit vector: each pair (1, 0)
 comes out as (cos, sin) exactly (1*c - 0*s = c, 1*s + 0*c = s), so they are the very values the
 module multiplies by. `rotate` then applies them as the module does (two products, one sum each),
-with the same bits (tests/test_forward.py). Used for float32 activations and plain `nn.RoPE`
+with the same bits (tests/test_forward.py). A tree's per-token positions get one table row per
+token the same way (`tables_at`), in place of 60 per-token rotations. Used for float32 activations and plain `nn.RoPE`
 modules rotating a whole head, shared by every layer (the default model and every Llama without
 rope scaling); anything else keeps its module (a float16 RoPE rounds once, after both products).
 """
@@ -18,7 +19,7 @@ from typing import Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-Tables = Tuple[mx.array, mx.array]  # cos, sin: (1, 1, L, D/2)
+Tables = Tuple[mx.array, mx.array]  # cos, sin: (1, 1, L, D/2), or (B, 1, L, D/2) per token
 
 
 def shared_rope(layers: Sequence[nn.Module]) -> Optional[nn.RoPE]:
@@ -47,6 +48,24 @@ def tables(rope: nn.RoPE, rotate_with, offset, length: int) -> Tables:
     unit = mx.concatenate([ones, zeros], axis=-1)  # halves (x[:D/2], x[D/2:])
     out = rotate_with(unit, offset)
     return out[..., :half], out[..., half:]
+
+
+def tables_at(rope: nn.RoPE, rotate_with, positions: mx.array) -> Tables:
+    """cos, sin (B, 1, L, D/2) at per-token positions (B, L) (a verified tree's): a unit vector per
+    token, rotated once with the token's position as its row's offset (`rotate_with(x, starts)`
+    rotates row r of x (R, 1, 1, D) at starts[r], as the per-token RoPE of model/forward.py does)."""
+    B, L = positions.shape
+    half = rope.dims // 2
+    ones, zeros = mx.ones((B * L, 1, 1, half)), mx.zeros((B * L, 1, 1, half))
+    starts = positions.reshape(-1).astype(mx.int32)
+    if rope.traditional:
+        out = rotate_with(mx.stack([ones, zeros], axis=-1).reshape(B * L, 1, 1, rope.dims), starts)
+        out = out.reshape(B, L, half, 2)
+        cos, sin = out[..., 0], out[..., 1]
+    else:
+        out = rotate_with(mx.concatenate([ones, zeros], axis=-1), starts).reshape(B, L, rope.dims)
+        cos, sin = out[..., :half], out[..., half:]
+    return cos[:, None], sin[:, None]  # (B, 1, L, D/2)
 
 
 def rotate(x: mx.array, cos: mx.array, sin: mx.array, traditional: bool) -> mx.array:
