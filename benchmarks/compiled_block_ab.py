@@ -1,13 +1,16 @@
 """Two ways of running the default model's blocks on the CPU, A/B in one process.
 
-    python benchmarks/compiled_block_ab.py                 # each block compiled vs op by op
+    python benchmarks/compiled_block_ab.py                 # compiled blocks vs op by op
+    python benchmarks/compiled_block_ab.py --joined        # blocks joined in pairs vs each alone
     python benchmarks/compiled_block_ab.py --rope-tables   # RoPE's tables once a forward vs per layer
     python benchmarks/compiled_block_ab.py --rope-tables --tree  # the same for verified trees
 
 Forwards of T = 1..5 query tokens after 150 cached tokens, both ways interleaved, every logit
 computed; checks the two give the same bits first, then prints median milliseconds per way and
-their ratio (benchmarks/results/compiled_block.md, issue18_stop37.md). The first compares
-model/forward.py `_compiled_block` with `_plain_block`; the second, both compiled, RoPE's cosines
+their ratio (benchmarks/results/compiled_block.md, issue18_stop37.md, issue18_stop38.md). The
+first compares model/forward.py's compiled blocks with `_plain_block` (COMPILED_BLOCKS off);
+--joined, `_compiled_layers` (each block's ops after its attention and the next block's before it
+as one graph) with `_compiled_block` for every block; the third, both compiled, RoPE's cosines
 and sines made once per forward (model/rope_table.py) with each layer's RoPE module making its own.
 --tree verifies a tree at per-token positions instead of a chain (the root, a chain under it and
 siblings of its first draft, as `redrafter`'s runners-up make them), where the layers' RoPE
@@ -32,20 +35,23 @@ F = importlib.import_module("mlx_specdec.model.forward")  # the module, not the 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rope-tables", action="store_true", help="compare RoPE's shared tables instead")
+    parser.add_argument("--joined", action="store_true", help="compare blocks joined in pairs instead")
     parser.add_argument("--tree", action="store_true", help="verify trees at per-token positions")
     parser.add_argument("--rounds", type=int, default=50)
     args = parser.parse_args()
     model = Engine.load("default").lm.model
     cache = prefilled(model, 1, 150)
-    compiled, tables = F._compiled_block, F.RopeTables.for_forward
-    if args.rope_tables:
+    tables, joined = F.RopeTables.for_forward, F._joined
+    if args.joined:
+        names = ("block by block", "joined")
+        ways = {False: lambda: setattr(F, "_joined", lambda *a: False), True: lambda: setattr(F, "_joined", joined)}
+    elif args.rope_tables:
         names = ("per layer", "tables")
         ways = {False: lambda: setattr(F.RopeTables, "for_forward", staticmethod(lambda layers, positions: None)),
                 True: lambda: setattr(F.RopeTables, "for_forward", tables)}
     else:
         names = ("op by op", "compiled")
-        ways = {False: lambda: setattr(F, "_compiled_block", F._plain_block),
-                True: lambda: setattr(F, "_compiled_block", compiled)}
+        ways = {False: lambda: setattr(F, "COMPILED_BLOCKS", False), True: lambda: setattr(F, "COMPILED_BLOCKS", True)}
 
     def run(tokens: int, use: bool):
         ways[use]()

@@ -241,8 +241,9 @@ def test_compiled_rope_equals_the_module_bit_for_bit(traditional):
 
 
 def test_the_compiled_block_gives_the_plain_blocks_bits(monkeypatch):
-    """The CPU's compiled halves of a block (model/forward.py `_compiled_block`) against the blocks
-    built op by op: a prefill, one token, a chain, and a tree at per-token positions."""
+    """The CPU's compiled blocks (model/forward.py: every block after the first joined with the
+    one before it, `_compiled_layers`; and each block on its own, `_compiled_block`) against the
+    blocks built op by op: a prefill, one token, a chain, and a tree at per-token positions."""
     forward_module = importlib.import_module("mlx_specdec.model.forward")  # the module, not the function
 
     if not forward_module.on_cpu():
@@ -256,12 +257,18 @@ def test_the_compiled_block_gives_the_plain_blocks_bits(monkeypatch):
         tree = _verify_tree(model, cache, cache.offset)
         return [np.array(a) for a in (one, chain, tree)]
 
-    compiled = run()
+    joined_calls, compiled_layers = [], forward_module._compiled_layers
+    monkeypatch.setattr(forward_module, "_compiled_layers", lambda *args: joined_calls.append(1) or compiled_layers(*args))
+    joined = run()
+    assert len(joined_calls) == 4  # the prefill, one token, the chain and the tree all ran joined
     with monkeypatch.context() as patch:
-        patch.setattr(forward_module, "_compiled_block", forward_module._plain_block)
+        patch.setattr(forward_module, "_joined", lambda *args: False)
+        block_by_block = run()
+    with monkeypatch.context() as patch:
+        patch.setattr(forward_module, "COMPILED_BLOCKS", False)
         plain = run()
-    for a, b in zip(compiled, plain):
-        assert np.array_equal(a, b)
+    for a, b, c in zip(joined, block_by_block, plain):
+        assert np.array_equal(a, c) and np.array_equal(b, c)
 
 
 def test_the_compiled_block_reads_the_layers_parameters_as_they_are_now():
@@ -280,7 +287,7 @@ def test_the_compiled_block_reads_the_layers_parameters_as_they_are_now():
     replaced = np.array(forward(model, mx.array([[9]]), _prefilled(model, PREFIX)).logits)
     assert not np.allclose(doubled, replaced)
     with pytest.MonkeyPatch.context() as patch:  # the plain path agrees on the new model
-        patch.setattr(forward_module, "_compiled_block", forward_module._plain_block)
+        patch.setattr(forward_module, "COMPILED_BLOCKS", False)
         assert np.array_equal(replaced, np.array(forward(model, mx.array([[9]]), _prefilled(model, PREFIX)).logits))
 
 
@@ -323,7 +330,7 @@ def test_a_shallow_copy_of_a_model_compiles_its_own_blocks():
     assert not np.allclose(base, copied)
     forward_module = importlib.import_module("mlx_specdec.model.forward")
     with pytest.MonkeyPatch.context() as patch:  # what the copy gives op by op
-        patch.setattr(forward_module, "_compiled_block", forward_module._plain_block)
+        patch.setattr(forward_module, "COMPILED_BLOCKS", False)
         assert np.array_equal(copied, np.array(forward(copy, mx.array([[9]]), _prefilled(copy, PREFIX)).logits))
 
 
