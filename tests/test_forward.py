@@ -366,9 +366,9 @@ def test_rope_tables_at_per_token_positions_rotate_with_the_modules_bits(traditi
 
     rope = nn.RoPE(64, traditional=traditional, base=10000.0)
     for heads, positions in [(9, [[0]]), (3, [[150, 151, 151, 152, 151]]), (9, [[37, 38, 39], [12, 13, 13]]),
-                             (3, [[31999, 32000, 32000, 32001]])]:
-        positions = mx.array(positions)
-        B, L = positions.shape
+                             (3, [[31999, 32000, 32000, 32001]]), (3, [[[8, 9, 9, 10]]])]:
+        positions = mx.array(positions)  # (B, L), or (B, 1, L) as some callers pass it
+        B, L = positions.shape[0], positions.shape[-1]
         x = mx.random.normal((B, heads, L, 64), key=mx.random.key(L)) * 3
         cos, sin = rope_table.tables_at(rope, lambda unit, starts: rope(unit, offset=starts), positions)
         assert cos.shape == sin.shape == (B, 1, L, 32)

@@ -54,6 +54,7 @@ def tables_at(rope: nn.RoPE, rotate_with, positions: mx.array) -> Tables:
     """cos, sin (B, 1, L, D/2) at per-token positions (B, L) (a verified tree's): a unit vector per
     token, rotated once with the token's position as its row's offset (`rotate_with(x, starts)`
     rotates row r of x (R, 1, 1, D) at starts[r], as the per-token RoPE of model/forward.py does)."""
+    positions = positions.reshape(-1, positions.shape[-1])  # (L,), (B, L) or (B, 1, L): as the queries' rows
     B, L = positions.shape
     half = rope.dims // 2
     ones, zeros = mx.ones((B * L, 1, 1, half)), mx.zeros((B * L, 1, 1, half))
