@@ -39,15 +39,7 @@ def shared_rope(layers: Sequence[nn.Module]) -> Optional[nn.RoPE]:
 def tables(rope: nn.RoPE, rotate_with, offset, length: int) -> Tables:
     """cos, sin (1, 1, length, D/2) at positions offset .. offset + length - 1, as `rotate_with(x,
     offset)` (the module, or its compiled call) multiplies by them."""
-    half = rope.dims // 2
-    ones, zeros = mx.ones((1, 1, length, half)), mx.zeros((1, 1, length, half))
-    if rope.traditional:  # pairs (x[2i], x[2i+1])
-        unit = mx.stack([ones, zeros], axis=-1).reshape(1, 1, length, rope.dims)
-        out = rotate_with(unit, offset).reshape(1, 1, length, half, 2)
-        return out[..., 0], out[..., 1]
-    unit = mx.concatenate([ones, zeros], axis=-1)  # halves (x[:D/2], x[D/2:])
-    out = rotate_with(unit, offset)
-    return out[..., :half], out[..., half:]
+    return _read_off(rope, (1, 1, length), lambda unit: rotate_with(unit, offset))
 
 
 def tables_at(rope: nn.RoPE, rotate_with, positions: mx.array) -> Tables:
@@ -56,17 +48,21 @@ def tables_at(rope: nn.RoPE, rotate_with, positions: mx.array) -> Tables:
     rotates row r of x (R, 1, 1, D) at starts[r], as the per-token RoPE of model/forward.py does)."""
     positions = positions.reshape(-1, positions.shape[-1])  # (L,), (B, L) or (B, 1, L): as the queries' rows
     B, L = positions.shape
-    half = rope.dims // 2
-    ones, zeros = mx.ones((B * L, 1, 1, half)), mx.zeros((B * L, 1, 1, half))
     starts = positions.reshape(-1).astype(mx.int32)
-    if rope.traditional:
-        out = rotate_with(mx.stack([ones, zeros], axis=-1).reshape(B * L, 1, 1, rope.dims), starts)
-        out = out.reshape(B, L, half, 2)
-        cos, sin = out[..., 0], out[..., 1]
-    else:
-        out = rotate_with(mx.concatenate([ones, zeros], axis=-1), starts).reshape(B, L, rope.dims)
-        cos, sin = out[..., :half], out[..., half:]
-    return cos[:, None], sin[:, None]  # (B, 1, L, D/2)
+    cos, sin = _read_off(rope, (B * L, 1, 1), lambda unit: rotate_with(unit, starts))  # (B*L, 1, 1, D/2)
+    return cos.reshape(B, 1, L, -1), sin.reshape(B, 1, L, -1)
+
+
+def _read_off(rope: nn.RoPE, rows: tuple, rotated) -> Tables:
+    """cos, sin (*rows, D/2): `rotated` applied to unit vectors (*rows, D), each pair (1, 0) in the
+    module's layout coming out as (cos, sin)."""
+    half = rope.dims // 2
+    ones, zeros = mx.ones(rows + (half,)), mx.zeros(rows + (half,))
+    if rope.traditional:  # pairs (x[2i], x[2i+1])
+        out = rotated(mx.stack([ones, zeros], axis=-1).reshape(rows + (rope.dims,))).reshape(rows + (half, 2))
+        return out[..., 0], out[..., 1]
+    out = rotated(mx.concatenate([ones, zeros], axis=-1))  # halves (x[:D/2], x[D/2:])
+    return out[..., :half], out[..., half:]
 
 
 def rotate(x: mx.array, cos: mx.array, sin: mx.array, traditional: bool) -> mx.array:
