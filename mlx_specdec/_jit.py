@@ -8,12 +8,14 @@ large part of what a verify costs beyond one token (benchmarks/results/jit_flags
 
 On Linux x86-64 CPUs with AVX2, FMA and F16C this puts a `g++` in front of the system's that adds
 `-mavx2 -mfma -mf16c -ffp-contract=off` (what newer MLX adds itself, less the contraction: with
--mfma alone GCC fuses `a * b + c` in MLX's `exp`, and the logits moved by 3e-5). Each operation
-then rounds exactly as before, so every kernel returns the same bits (tests/test_jit_flags.py),
-and a 5-token forward's 30 SwiGLU kernels ran ~2.5x faster. MLX keeps the libraries it builds under
-`$TMPDIR/mlx/<version>/cpu` and reuses any it finds, so the process's TMPDIR points to a folder of
-our own in the user cache (keyed by CPU, compiler and flags); Python's `tempfile` keeps the
-system's temporary folder. `MLX_SPECDEC_NO_JIT_FLAGS=1` leaves MLX as it is. Runs before MLX
+-mfma alone GCC fuses `a * b + c` in MLX's `exp`, and the logits moved by 3e-5), and
+`-fno-trapping-math -finline-limit=300` (below: `exp` inlined, the loops vectorized). Each
+operation then rounds exactly as before, so every kernel returns the same bits
+(tests/test_jit_flags.py); a 5-token forward's 30 SwiGLU kernels ran ~2.5x faster with the first
+four flags and ~5x faster again with all six (4.8 -> 0.9 ns an element). MLX keeps the libraries
+it builds under `$TMPDIR/mlx/<version>/cpu` and reuses any it finds, so the process's TMPDIR points
+to a folder of our own in the user cache (keyed by CPU, compiler and flags); Python's `tempfile`
+keeps the system's temporary folder. `MLX_SPECDEC_NO_JIT_FLAGS=1` leaves MLX as it is. Runs before MLX
 loads (`mlx_specdec/__init__.py`).
 """
 
@@ -31,7 +33,11 @@ from typing import Optional
 
 from ._blas import _cache_dir, _cpu_signature
 
-JIT_FLAGS = ("-mavx2", "-mfma", "-mf16c", "-ffp-contract=off")
+# -finline-limit lets GCC inline MLX's `exp` into the kernel's loop (it stays a call through the PLT
+# otherwise) and -fno-trapping-math lets it turn the loop's selects into blends: the loop is then
+# vectorized, 8 elements at a time. Neither flag changes a result (no contraction, no fast-math:
+# only which floating-point exception flags a kernel may raise); the SwiGLU kernel ~5x faster again.
+JIT_FLAGS = ("-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-trapping-math", "-finline-limit=300")
 NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")
 SYSTEM_TMPDIR = "MLX_SPECDEC_SYSTEM_TMPDIR"  # the temporary folder before ours, for child processes
 

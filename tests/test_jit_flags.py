@@ -21,7 +21,7 @@ active = pytest.mark.skipif(_jit.jit_flags == "MLX's own",
                             reason="not a Linux x86-64 CPU with AVX2/FMA/F16C and g++ (or turned off)")
 
 # Fused kernels whose rounding a compiler could change: products added (contraction into an FMA),
-# MLX's exp and sigmoid (its polynomial), mlx-lm's SwiGLU, the attention's fast exp (Horner),
+# MLX's exp and sigmoid (its polynomial, and the loops vectorized around it), mlx-lm's SwiGLU, RMSNorm, the attention's fast exp (Horner),
 # RoPE's rotation, and float16.
 KERNELS = r"""
 import mlx_specdec, json, sys
@@ -31,17 +31,26 @@ from mlx_specdec.model.attention import fast_exp
 import mlx.nn as nn
 k = mx.random.key(7)
 a, b, c = (mx.random.normal((3, 1000), key=mx.random.key(i)) * 4 for i in range(3))
+# the edges of MLX's exp and sigmoid (its clamps at +-88, inf, nan, -0, subnormals) and large values
+edges = np.array([np.inf, -np.inf, np.nan, 88.0, 88.5, -88.0, -88.5, 87.9, -87.9, -0.0, 0.0, 1e-40, -1e-40,
+                  3e38, -3e38, 100.0, -100.0, 0.5, -0.5, 1.0, -1.0], dtype=np.float32)
+a = mx.concatenate([a.reshape(-1), mx.array(edges)]).reshape(3, -1)
+b, c = (mx.concatenate([x.reshape(-1), mx.ones(21)]).reshape(3, -1) for x in (b, c))
 out = {
     "muladd": mx.compile(lambda a, b, c: a * b + c)(a, b, c),
     "exp": mx.compile(lambda a: mx.exp(a) * 2)(a),
     "sigmoid": mx.compile(lambda a: mx.sigmoid(a) + 1)(a),
     "swiglu": swiglu(a, b),
     "fast_exp": fast_exp(-mx.abs(a), mx.array(0.5)),
+    "rms_norm": mx.compile(lambda a, b: a * mx.rsqrt(mx.mean(a * a, axis=-1, keepdims=True) + 1e-5) * b)(
+        mx.where(mx.isfinite(a), a, 1.0), b),
     "rope": nn.RoPE(64)(mx.random.normal((1, 2, 5, 64), key=k), offset=37),
     "swiglu16": swiglu(a.astype(mx.float16), b.astype(mx.float16)).astype(mx.float32),
 }
 mx.eval(out)
-print(json.dumps({name: int(np.array(v).view(np.uint32).astype(np.uint64).sum()) for name, v in out.items()}))
+# a NaN's sign means nothing (an inlined exp may give -nan where the call gave nan): one NaN for all
+print(json.dumps({name: int(np.where(np.isnan(np.array(v)), np.float32(np.nan), np.array(v)).view(np.uint32)
+                            .astype(np.uint64).sum()) for name, v in out.items()}))
 """
 
 
