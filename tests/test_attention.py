@@ -1,5 +1,5 @@
 """The grouped CPU attention (mlx_specdec/model/attention.py) computes what MLX's fused attention
-computes: every mask kind, GQA groups, batches; a masked key adds exactly nothing; the fast exp's
+computes: every mask kind, GQA groups, batches; MLX's attention as `exact_attention` has its bits; a masked key adds exactly nothing; the fast exp's
 error; and on a tiny model with the path forced on, every method's greedy output is still `ar`'s."""
 
 import math
@@ -46,6 +46,37 @@ def test_grouped_attention_equals_fused_attention(Hq, Hkv, T, S, kind):
     got, want = grouped_attention(q, k, v, 0.125, mask), fused(q, k, v, mask)
     assert got.shape == want.shape == (2, Hq, T, 64)
     np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-6, rtol=1e-5)
+
+
+def same_bits(a: mx.array, b: mx.array) -> bool:
+    return a.shape == b.shape and np.array_equal(np.array(a).view(np.uint32), np.array(b).view(np.uint32))
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(9, 3), (4, 4), (8, 2)])
+@pytest.mark.parametrize("B,T,S", [(1, 2, 2), (2, 5, 40), (1, 6, 300), (1, 64, 700), (2, 1, 40)])
+@pytest.mark.parametrize("kind", [None, "causal", "bool, one head", "bool, every head", "additive"])
+def test_exact_attention_has_the_bits_of_mlxs_attention(Hq, Hkv, B, T, S, kind):
+    """MLX's attention op on the CPU, the same bits: every mask kind, GQA groups, batches."""
+    q, k, v = random_qkv(B, Hq, Hkv, T, S, seed=T * S)
+    q, k = q * 3, k * 3  # peaked rows too: large score differences
+    mask = mask_of(kind, B, Hq, T, S)
+    assert same_bits(attention.exact_attention(q, k, v, 0.125, mask), fused(q, k, v, mask))
+
+
+def test_exact_attention_runs_for_two_or_more_float32_queries_on_the_cpu_short_of_the_grouped_path(monkeypatch):
+    on_cpu = mx.default_device() == mx.cpu
+    assert attention._exact_for(2, 40) == on_cpu and attention._exact_for(6, 1023) == on_cpu
+    assert not attention._exact_for(1, 40)  # one query: MLX's op is as fast
+    assert not attention._exact_for(6, attention.GROUPED_MIN_KEYS)  # the grouped path's
+    assert not attention._exact_for(6, 40, mx.float16)  # MLX's softmax accumulates float16 in float32
+    causal = attention.causal_as_array("causal", 3, 10)
+    assert (causal.dtype == mx.bool_ and np.array_equal(np.array(causal), np.tril(np.ones((3, 10), bool), 7))) \
+        if on_cpu else causal == "causal"
+    assert attention.causal_as_array("causal", 1, 10) == "causal"
+    monkeypatch.setattr(attention, "OP_BY_OP", True)
+    assert not attention._exact_for(6, 40) and attention.causal_as_array("causal", 3, 10) == "causal"
+    q, k, v = random_qkv(1, 9, 3, 4, 30)
+    assert same_bits(attention.attention_over_cache(q, k, v, 0.125, "causal"), fused(q, k, v, "causal"))
 
 
 def test_a_masked_key_adds_exactly_nothing():

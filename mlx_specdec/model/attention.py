@@ -14,13 +14,20 @@ path computes the same attention with
 
 It is used only where measured to pay (`use_grouped`): on the CPU with at least
 `GROUPED_MIN_KEYS` keys. Below that (every short-context test, and the bit-exact parity with
-mlx-lm) the fused path runs unchanged. Both compute softmax(Q K^T * scale + mask) V; they differ
+mlx-lm) MLX's attention runs. Both compute softmax(Q K^T * scale + mask) V; they differ
 by float rounding (measured max |diff| in benchmarks/results/attention_cost_cpu.md).
+
+Below `GROUPED_MIN_KEYS`, a forward of 2+ float32 queries on the CPU (a verify, a prefill chunk)
+runs MLX's own CPU attention as `exact_attention`: the ops of its fallback in the same order, with
+its softmax as a compiled graph of the same arithmetic (`_softmax`). The bits are MLX's; the
+softmax's `exp` is vectorized by the JIT (mlx_specdec/_jit.py) where MLX's prebuilt one takes
+~14 ns an element, and a 5-token verify's attention ~0.6x the time (benchmarks/results/exact_attention.md).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Union
 
 import mlx.core as mx
@@ -32,6 +39,7 @@ Mask = Union[None, str, mx.array]
 
 # Chosen by benchmarks/attention_cost.py on the 2-core CPU (benchmarks/results/attention_cost_cpu.md).
 GROUPED_MIN_KEYS = 1024  # fewer keys: the fused op is as fast
+OP_BY_OP = bool(os.environ.get("MLX_SPECDEC_OP_BY_OP"))  # =1: MLX's own attention op too (to compare)
 
 _LOG2E = 1.4426950408889634
 _LN2_HI = 0.693145751953125  # ln 2 = _LN2_HI + _LN2_LO; _LN2_HI has 16 significant bits
@@ -222,12 +230,66 @@ def grouped_attention(queries: mx.array, keys: mx.array, values: mx.array, scale
     return out.reshape(B, Hq, T, Dh)
 
 
+def _softmax(scores: mx.array) -> mx.array:
+    """MLX's CPU softmax over the last axis, step for step (mlx/backend/cpu/softmax.cpp, float32):
+    the row's maximum, e = exp(x - max), their sum in order (MLX's sum reduction adds one element
+    at a time as its softmax does, on a CPU without its SIMD types), then e * (1 / sum)."""
+    peak = mx.max(scores, axis=-1, keepdims=True)
+    e = mx.exp(scores - peak)
+    return e * (1 / mx.sum(e, axis=-1, keepdims=True))
+
+
+_softmax_fused = mx.compile(_softmax, shapeless=True)  # two fused kernels around two reductions
+
+
+def _exact_for(queries: int, keys: int, dtype: mx.Dtype = mx.float32) -> bool:
+    """MLX's attention as `exact_attention`: the CPU, float32, 2+ queries (one query: MLX's op is as
+    fast, measured), keys short of the grouped path; not with the op-by-op switch."""
+    return (queries > 1 and dtype == mx.float32 and mx.default_device() == mx.cpu
+            and not _grouped_for(keys) and not OP_BY_OP)
+
+
+def causal_as_array(mask: Mask, queries: int, keys: int) -> Mask:
+    """A "causal" mask as the boolean array `exact_attention` applies, made once per forward (its
+    layers share it); any other mask, or a forward that will not take that path, unchanged."""
+    if not (isinstance(mask, str) and mask == "causal" and _exact_for(queries, keys)):
+        return mask
+    return masks.causal_mask(queries, keys - queries)  # (T, S), bottom-right aligned as SDPA's
+
+
+def exact_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                    mask: Mask = None) -> mx.array:
+    """`mx.fast.scaled_dot_product_attention` on the CPU, the same bits: its fallback's ops
+    (mlx/fast.cpp) with the softmax fused. queries (B, Hq, T, Dh); keys, values (B, Hkv, S, Dh);
+    mask None, "causal", or a boolean or additive array broadcastable to (B, Hq, T, S)."""
+    B, Hq, T, Dh = queries.shape
+    Hkv, S = keys.shape[1], keys.shape[2]
+    G = Hq // Hkv
+    q = mx.array(scale, dtype=queries.dtype) * queries
+    if G > 1:  # query heads h = j*G + g share KV head j
+        q, keys, values = q.reshape(B, Hkv, G, T, Dh), keys[:, :, None], values[:, :, None]
+    scores = q @ keys.swapaxes(-1, -2)  # (B, Hkv, G, T, S)
+    if isinstance(mask, str):
+        mask = masks.causal_mask(T, S - T)
+    if mask is not None:
+        mask = _grouped(mask, Hkv, G) if G > 1 else mask
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+        else:
+            scores = scores + mask.astype(scores.dtype)
+    out = _softmax_fused(scores) @ values  # (B, Hkv, G, T, Dh)
+    return out.reshape(B, Hq, T, Dh)
+
+
 def attention_over_cache(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
                          mask: Mask = None) -> mx.array:
-    """The attention every forward uses: the grouped path where it pays, else MLX's own."""
+    """The attention every forward uses: the grouped path where it pays, else MLX's own (on the
+    CPU for 2+ queries as `exact_attention`, the same bits)."""
     if use_grouped(queries, keys):
         return grouped_attention(queries, keys, values, scale, mask)
     mask = full_width(mask, queries, keys)
+    if _exact_for(queries.shape[2], keys.shape[2], queries.dtype):
+        return exact_attention(queries, keys, values, scale, mask)
     if _verify_on_cuda(queries.shape[2]):
         keys, values, mask = bucket_keys(queries, keys, values, mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
