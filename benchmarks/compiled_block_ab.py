@@ -4,8 +4,9 @@
     python benchmarks/compiled_block_ab.py --joined        # blocks joined in pairs vs each alone
     python benchmarks/compiled_block_ab.py --rope-tables   # RoPE's tables once a forward vs per layer
     python benchmarks/compiled_block_ab.py --rope-tables --tree  # the same for verified trees
+    python benchmarks/compiled_block_ab.py --exact-attention --context 600  # MLX's attention op vs exact_attention
 
-Forwards of T = 1..5 query tokens after 150 cached tokens, both ways interleaved, every logit
+Forwards of T = 1..5 query tokens after 150 cached tokens (--context), both ways interleaved, every logit
 computed; checks the two give the same bits first, then prints median milliseconds per way and
 their ratio (benchmarks/results/compiled_block.md, issue18_stop37.md, issue18_stop38.md). The
 first compares model/forward.py's compiled blocks with `_plain_block` (COMPILED_BLOCKS off);
@@ -15,6 +16,8 @@ and sines made once per forward (model/rope_table.py) with each layer's RoPE mod
 --tree verifies a tree at per-token positions instead of a chain (the root, a chain under it and
 siblings of its first draft, as `redrafter`'s runners-up make them), where the layers' RoPE
 rotates each token on its own (`rope_at`) and the tables give one row per token (`tables_at`).
+--exact-attention compares MLX's own attention op with model/attention.py's `exact_attention` (its
+ops with the softmax compiled; T = 1..8: one query always takes MLX's op).
 """
 
 import argparse
@@ -30,19 +33,25 @@ from mlx_specdec.engine import Engine
 from mlx_specdec.model.timing import prefilled
 
 F = importlib.import_module("mlx_specdec.model.forward")  # the module, not the function
+A = importlib.import_module("mlx_specdec.model.attention")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rope-tables", action="store_true", help="compare RoPE's shared tables instead")
     parser.add_argument("--joined", action="store_true", help="compare blocks joined in pairs instead")
+    parser.add_argument("--exact-attention", action="store_true", help="compare exact_attention instead")
     parser.add_argument("--tree", action="store_true", help="verify trees at per-token positions")
+    parser.add_argument("--context", type=int, default=150, help="cached tokens before each forward")
     parser.add_argument("--rounds", type=int, default=50)
     args = parser.parse_args()
     model = Engine.load("default").lm.model
-    cache = prefilled(model, 1, 150)
+    cache = prefilled(model, 1, args.context)
     tables, joined = F.RopeTables.for_forward, F._joined
-    if args.joined:
+    if args.exact_attention:
+        names = ("MLX's op", "exact_attention")
+        ways = {False: lambda: setattr(A, "OP_BY_OP", True), True: lambda: setattr(A, "OP_BY_OP", False)}
+    elif args.joined:
         names = ("block by block", "joined")
         ways = {False: lambda: setattr(F, "_joined", lambda *a: False), True: lambda: setattr(F, "_joined", joined)}
     elif args.rope_tables:
@@ -69,11 +78,12 @@ def main():
 
     for tokens in (1, 3, 5):
         assert np.array_equal(run(tokens, True)[1], run(tokens, False)[1]), "not the same bits"
-    print(f"same bits; median ms of {args.rounds - 3} interleaved forwards after 150 tokens"
+    print(f"same bits; median ms of {args.rounds - 3} interleaved forwards after {args.context} tokens"
           + (" (trees at per-token positions)" if args.tree else ""))
     print(f"| query tokens | {names[0]} (ms) | {names[1]} (ms) | ratio |")
     print("|---:|---:|---:|---:|")
-    for tokens in (1, 2, 3, 4, 5, 6) if args.tree else (1, 2, 3, 4, 5):
+    counts = (1, 2, 3, 4, 5, 6, 8) if args.exact_attention else (1, 2, 3, 4, 5, 6) if args.tree else (1, 2, 3, 4, 5)
+    for tokens in counts:
         times = {True: [], False: []}
         for round_ in range(args.rounds):
             for use in (False, True):

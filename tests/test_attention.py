@@ -66,15 +66,13 @@ def test_exact_attention_has_the_bits_of_mlxs_attention(Hq, Hkv, B, T, S, kind):
 def test_exact_attention_runs_for_two_or_more_float32_queries_on_the_cpu_short_of_the_grouped_path(monkeypatch):
     on_cpu = mx.default_device() == mx.cpu
     assert attention._exact_for(2, 40) == on_cpu and attention._exact_for(6, 1023) == on_cpu
-    assert not attention._exact_for(1, 40)  # one query: MLX's op is as fast
+    assert not attention._exact_for(1, 40)  # one query over few keys: MLX's op is as fast
+    assert attention._exact_for(1, attention.EXACT_ONE_QUERY_MIN_KEYS) == on_cpu
     assert not attention._exact_for(6, attention.GROUPED_MIN_KEYS)  # the grouped path's
     assert not attention._exact_for(6, 40, mx.float16)  # MLX's softmax accumulates float16 in float32
-    causal = attention.causal_as_array("causal", 3, 10)
-    assert (causal.dtype == mx.bool_ and np.array_equal(np.array(causal), np.tril(np.ones((3, 10), bool), 7))) \
-        if on_cpu else causal == "causal"
-    assert attention.causal_as_array("causal", 1, 10) == "causal"
+    assert np.array_equal(np.array(attention._causal(3, 10)), np.tril(np.ones((3, 10), bool), 7))
     monkeypatch.setattr(attention, "OP_BY_OP", True)
-    assert not attention._exact_for(6, 40) and attention.causal_as_array("causal", 3, 10) == "causal"
+    assert not attention._exact_for(6, 40)
     q, k, v = random_qkv(1, 9, 3, 4, 30)
     assert same_bits(attention.attention_over_cache(q, k, v, 0.125, "causal"), fused(q, k, v, "causal"))
 

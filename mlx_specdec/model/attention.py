@@ -21,11 +21,13 @@ Below `GROUPED_MIN_KEYS`, a forward of 2+ float32 queries on the CPU (a verify, 
 runs MLX's own CPU attention as `exact_attention`: the ops of its fallback in the same order, with
 its softmax as a compiled graph of the same arithmetic (`_softmax`). The bits are MLX's; the
 softmax's `exp` is vectorized by the JIT (mlx_specdec/_jit.py) where MLX's prebuilt one takes
-~14 ns an element, and a 5-token verify's attention ~0.6x the time (benchmarks/results/exact_attention.md).
+~14 ns an element, and forwards of 3-8 tokens 0.93-0.96x the time after 150 tokens, 0.81-0.87x after 600
+(benchmarks/results/issue18_stop39.md).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Union
@@ -40,6 +42,7 @@ Mask = Union[None, str, mx.array]
 # Chosen by benchmarks/attention_cost.py on the 2-core CPU (benchmarks/results/attention_cost_cpu.md).
 GROUPED_MIN_KEYS = 1024  # fewer keys: the fused op is as fast
 OP_BY_OP = bool(os.environ.get("MLX_SPECDEC_OP_BY_OP"))  # =1: MLX's own attention op too (to compare)
+EXACT_ONE_QUERY_MIN_KEYS = 300  # one query over fewer keys: MLX's attention op is as fast as exact_attention
 
 _LOG2E = 1.4426950408889634
 _LN2_HI = 0.693145751953125  # ln 2 = _LN2_HI + _LN2_LO; _LN2_HI has 16 significant bits
@@ -243,18 +246,18 @@ _softmax_fused = mx.compile(_softmax, shapeless=True)  # two fused kernels aroun
 
 
 def _exact_for(queries: int, keys: int, dtype: mx.Dtype = mx.float32) -> bool:
-    """MLX's attention as `exact_attention`: the CPU, float32, 2+ queries (one query: MLX's op is as
-    fast, measured), keys short of the grouped path; not with the op-by-op switch."""
-    return (queries > 1 and dtype == mx.float32 and mx.default_device() == mx.cpu
-            and not _grouped_for(keys) and not OP_BY_OP)
+    """MLX's attention as `exact_attention`: the CPU, float32, 2+ queries or one over at least
+    EXACT_ONE_QUERY_MIN_KEYS keys (fewer: MLX's op is as fast, measured), keys short of the grouped
+    path; not with the op-by-op switch."""
+    return ((queries > 1 or keys >= EXACT_ONE_QUERY_MIN_KEYS) and dtype == mx.float32
+            and mx.default_device() == mx.cpu and not _grouped_for(keys) and not OP_BY_OP)
 
 
-def causal_as_array(mask: Mask, queries: int, keys: int) -> Mask:
-    """A "causal" mask as the boolean array `exact_attention` applies, made once per forward (its
-    layers share it); any other mask, or a forward that will not take that path, unchanged."""
-    if not (isinstance(mask, str) and mask == "causal" and _exact_for(queries, keys)):
-        return mask
-    return masks.causal_mask(queries, keys - queries)  # (T, S), bottom-right aligned as SDPA's
+@functools.lru_cache(maxsize=8)
+def _causal(queries: int, keys: int) -> mx.array:
+    """SDPA's "causal" as a boolean (T, S) array, bottom-right aligned: made once for a forward's
+    layers (the same T and S) rather than in each, as MLX's op does."""
+    return masks.causal_mask(queries, keys - queries)
 
 
 def exact_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
@@ -269,8 +272,8 @@ def exact_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: 
     if G > 1:  # query heads h = j*G + g share KV head j
         q, keys, values = q.reshape(B, Hkv, G, T, Dh), keys[:, :, None], values[:, :, None]
     scores = q @ keys.swapaxes(-1, -2)  # (B, Hkv, G, T, S)
-    if isinstance(mask, str):
-        mask = masks.causal_mask(T, S - T)
+    if isinstance(mask, str):  # "causal" over the keys this layer attends (a sparse cache: not all)
+        mask = _causal(T, S)
     if mask is not None:
         mask = _grouped(mask, Hkv, G) if G > 1 else mask
         if mask.dtype == mx.bool_:

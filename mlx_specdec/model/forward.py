@@ -20,8 +20,7 @@ from typing import Any, Literal, Optional, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from .attention import (Mask, attention_over_cache, bucket_mask, causal_as_array, verify_key_bucket,
-                        widen_tail_mask)
+from .attention import Mask, attention_over_cache, bucket_mask, verify_key_bucket, widen_tail_mask
 from .device import on_cpu
 from .rope_table import rotate, shared_rope, tables, tables_at
 
@@ -314,8 +313,6 @@ def forward(
         mask = bucket_mask(mask, h.shape[1], cached + h.shape[1], key_bucket)
     elif isinstance(mask, mx.array) and cached is not None:
         mask = widen_tail_mask(mask, cached + h.shape[1])  # once here for every layer
-    elif cached is not None:
-        mask = causal_as_array(mask, h.shape[1], cached + h.shape[1])  # once here for every layer
     rope_tables = RopeTables.for_forward(inner.layers, positions)
     if _joined(inner.layers, layer_caches, h, positions, cached, key_bucket, rope_tables):
         h = _compiled_layers(inner.layers, layer_caches, h, positions, cached, mask, rope_tables)
