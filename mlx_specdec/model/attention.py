@@ -18,10 +18,10 @@ mlx-lm) MLX's attention runs. Both compute softmax(Q K^T * scale + mask) V; they
 by float rounding (measured max |diff| in benchmarks/results/attention_cost_cpu.md).
 
 Below `GROUPED_MIN_KEYS`, a forward of 2+ float32 queries on the CPU (a verify, a prefill chunk)
-runs MLX's own CPU attention as `exact_attention`: the ops of its fallback in the same order, with
-its softmax as a compiled graph of the same arithmetic (`_softmax`). The bits are MLX's; the
-softmax's `exp` is vectorized by the JIT (mlx_specdec/_jit.py) where MLX's prebuilt one takes
-~14 ns an element, and forwards of 3-8 tokens 0.93-0.96x the time after 150 tokens, 0.81-0.87x after 600
+runs MLX's own CPU attention as `exact_attention`: the ops of its fallback in the same order as one
+compiled graph, its softmax the same arithmetic (`_softmax`). The bits are MLX's; the softmax's
+`exp` is vectorized by the JIT (mlx_specdec/_jit.py) where MLX's prebuilt one takes ~14 ns an
+element: forwards of 3-8 tokens 0.93-0.98x the time after 150 tokens, 0.80-0.91x after 600
 (benchmarks/results/issue18_stop39.md).
 """
 
@@ -242,7 +242,29 @@ def _softmax(scores: mx.array) -> mx.array:
     return e * (1 / mx.sum(e, axis=-1, keepdims=True))
 
 
-_softmax_fused = mx.compile(_softmax, shapeless=True)  # two fused kernels around two reductions
+_FLOAT32_MIN = mx.finfo(mx.float32).min  # what MLX's attention writes where a boolean mask hides a key
+
+
+def _attend(q, keys, values, scale, mask=None, bias=None):
+    """MLX's attention fallback after its reshapes: softmax(scale * q @ keys^T, masked) @ values."""
+    scores = (scale * q) @ keys.swapaxes(-1, -2)
+    if mask is not None:
+        scores = mx.where(mask, scores, mx.array(_FLOAT32_MIN, mx.float32))
+    elif bias is not None:
+        scores = scores + bias
+    return _softmax(scores) @ values
+
+
+# One graph each for no mask, a boolean mask and an additive one, whatever the shapes: Python builds
+# one call a layer, and the scaling, the mask and the softmax's elementwise steps are fused kernels.
+_ATTEND = (mx.compile(lambda q, k, v, s: _attend(q, k, v, s), shapeless=True),
+           mx.compile(lambda q, k, v, s, m: _attend(q, k, v, s, mask=m), shapeless=True),
+           mx.compile(lambda q, k, v, s, b: _attend(q, k, v, s, bias=b), shapeless=True))
+
+
+@functools.lru_cache(maxsize=4)
+def _scale_array(scale: float) -> mx.array:
+    return mx.array(scale, dtype=mx.float32)
 
 
 def _exact_for(queries: int, keys: int, dtype: mx.Dtype = mx.float32) -> bool:
@@ -263,25 +285,25 @@ def _causal(queries: int, keys: int) -> mx.array:
 def exact_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
                     mask: Mask = None) -> mx.array:
     """`mx.fast.scaled_dot_product_attention` on the CPU, the same bits: its fallback's ops
-    (mlx/fast.cpp) with the softmax fused. queries (B, Hq, T, Dh); keys, values (B, Hkv, S, Dh);
+    (mlx/fast.cpp) as one compiled graph (`_attend`). queries (B, Hq, T, Dh), float32; keys, values (B, Hkv, S, Dh);
     mask None, "causal", or a boolean or additive array broadcastable to (B, Hq, T, S)."""
     B, Hq, T, Dh = queries.shape
     Hkv, S = keys.shape[1], keys.shape[2]
     G = Hq // Hkv
-    q = mx.array(scale, dtype=queries.dtype) * queries
     if G > 1:  # query heads h = j*G + g share KV head j
-        q, keys, values = q.reshape(B, Hkv, G, T, Dh), keys[:, :, None], values[:, :, None]
-    scores = q @ keys.swapaxes(-1, -2)  # (B, Hkv, G, T, S)
+        queries, keys, values = queries.reshape(B, Hkv, G, T, Dh), mx.expand_dims(keys, 2), mx.expand_dims(values, 2)
     if isinstance(mask, str):  # "causal" over the keys this layer attends (a sparse cache: not all)
         mask = _causal(T, S)
-    if mask is not None:
+    scale = _scale_array(scale)
+    if mask is None:
+        out = _ATTEND[0](queries, keys, values, scale)
+    else:
         mask = _grouped(mask, Hkv, G) if G > 1 else mask
         if mask.dtype == mx.bool_:
-            scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+            out = _ATTEND[1](queries, keys, values, scale, mask)
         else:
-            scores = scores + mask.astype(scores.dtype)
-    out = _softmax_fused(scores) @ values  # (B, Hkv, G, T, Dh)
-    return out.reshape(B, Hq, T, Dh)
+            out = _ATTEND[2](queries, keys, values, scale, mask.astype(mx.float32))
+    return out.reshape(B, Hq, T, Dh)  # (B, Hkv, G, T, Dh) -> (B, Hq, T, Dh)
 
 
 def attention_over_cache(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
