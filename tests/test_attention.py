@@ -1,6 +1,7 @@
 """The grouped CPU attention (mlx_specdec/model/attention.py) computes what MLX's fused attention
-computes: every mask kind, GQA groups, batches; MLX's attention as `exact_attention` has its bits; a masked key adds exactly nothing; the fast exp's
-error; and on a tiny model with the path forced on, every method's greedy output is still `ar`'s."""
+computes: every mask kind, GQA groups, batches; MLX's attention as `exact_attention` has its bits;
+a masked key adds exactly nothing; the fast exp's error; and on a tiny model with the path forced
+on, every method's greedy output is still `ar`'s."""
 
 import math
 import mlx.core as mx

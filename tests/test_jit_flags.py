@@ -21,8 +21,8 @@ active = pytest.mark.skipif(_jit.jit_flags == "MLX's own",
                             reason="not a Linux x86-64 CPU with AVX2/FMA/F16C and g++ (or turned off)")
 
 # Fused kernels whose rounding a compiler could change: products added (contraction into an FMA),
-# MLX's exp and sigmoid (its polynomial, and the loops vectorized around it), mlx-lm's SwiGLU, RMSNorm, the attention's fast exp (Horner),
-# RoPE's rotation, and float16.
+# MLX's exp and sigmoid (its polynomial, and the loops vectorized around it), mlx-lm's SwiGLU,
+# RMSNorm, the attention's fast exp (Horner), RoPE's rotation, and float16.
 KERNELS = r"""
 import mlx_specdec, json, sys
 import mlx.core as mx, numpy as np

@@ -285,13 +285,15 @@ def _causal(queries: int, keys: int) -> mx.array:
 def exact_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
                     mask: Mask = None) -> mx.array:
     """`mx.fast.scaled_dot_product_attention` on the CPU, the same bits: its fallback's ops
-    (mlx/fast.cpp) as one compiled graph (`_attend`). queries (B, Hq, T, Dh), float32; keys, values (B, Hkv, S, Dh);
-    mask None, "causal", or a boolean or additive array broadcastable to (B, Hq, T, S)."""
+    (mlx/fast.cpp) as one compiled graph (`_attend`). queries (B, Hq, T, Dh), float32; keys,
+    values (B, Hkv, S, Dh); mask None, "causal", or a boolean or additive array broadcastable to
+    (B, Hq, T, S)."""
     B, Hq, T, Dh = queries.shape
     Hkv, S = keys.shape[1], keys.shape[2]
     G = Hq // Hkv
     if G > 1:  # query heads h = j*G + g share KV head j
-        queries, keys, values = queries.reshape(B, Hkv, G, T, Dh), mx.expand_dims(keys, 2), mx.expand_dims(values, 2)
+        queries = queries.reshape(B, Hkv, G, T, Dh)
+        keys, values = mx.expand_dims(keys, 2), mx.expand_dims(values, 2)  # (B, Hkv, 1, S, Dh)
     if isinstance(mask, str):  # "causal" over the keys this layer attends (a sparse cache: not all)
         mask = _causal(T, S)
     scale = _scale_array(scale)
@@ -309,7 +311,7 @@ def exact_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: 
 def attention_over_cache(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
                          mask: Mask = None) -> mx.array:
     """The attention every forward uses: the grouped path where it pays, else MLX's own (on the
-    CPU for 2+ queries as `exact_attention`, the same bits)."""
+    CPU, where it pays, as `exact_attention`: the same bits)."""
     if use_grouped(queries, keys):
         return grouped_attention(queries, keys, values, scale, mask)
     mask = full_width(mask, queries, keys)
