@@ -9,9 +9,9 @@ prompt of each context length:
 
 1. the forward table: the prefill time of the context (chunks of 1024) and the median time of
    one forward with T query tokens (logits for every query, as a verify needs), with MLX's own
-   attention (`fused`, `mx.fast.scaled_dot_product_attention`) and with the engine's attention
-   (`engine`: the grouped path of mlx_specdec/model/attention.py where it is used), and the
-   T-token / 1-token ratios;
+   attention (`fused`, `mx.fast.scaled_dot_product_attention`), the grouped path of
+   mlx_specdec/model/attention.py from GROUPED_MIN_KEYS keys (`grouped`) and the engine's attention
+   (`engine`: `exact_attention` on the CPU in float32), and the T-token / 1-token ratios;
 2. one layer's attention split into its parts at the model's shapes (9 query heads, 3 KV heads,
    head size 64): the two matmuls, MLX's `exp` and softmax, the fast `exp`, the whole fused and
    grouped attention, and the largest difference between the two outputs.
@@ -65,10 +65,11 @@ def forward_table(model, contexts, tokens, repeats, bar) -> list:
     lines = ["| context | path | prefill (s) | " + " | ".join(f"T={t} (ms)" for t in tokens) + " | "
              + " | ".join(f"T={t} / T={tokens[0]}" for t in tokens[1:]) + " |",
              "|---:|---|---:|" + "---:|" * (2 * len(tokens) - 1)]
-    threshold = attn_mod.GROUPED_MIN_KEYS
+    threshold, exact = attn_mod.GROUPED_MIN_KEYS, attn_mod.EXACT_ATTENTION
     for context in contexts:
-        for path in ("fused", "engine"):
+        for path in ("fused", "grouped", "engine"):
             attn_mod.GROUPED_MIN_KEYS = 10 ** 9 if path == "fused" else threshold
+            attn_mod.EXACT_ATTENTION = path == "engine"
             start = time.perf_counter()
             cache = prefilled_cache(model, context)
             prefill_s = time.perf_counter() - start
@@ -80,7 +81,7 @@ def forward_table(model, contexts, tokens, repeats, bar) -> list:
             ratios = [f"{x / times[0]:.2f}" for x in times[1:]]
             lines.append(f"| {context} | {path} | {prefill_s:.1f} | " + " | ".join(f"{x:.1f}" for x in times)
                          + " | " + " | ".join(ratios) + " |")
-    attn_mod.GROUPED_MIN_KEYS = threshold
+    attn_mod.GROUPED_MIN_KEYS, attn_mod.EXACT_ATTENTION = threshold, exact
     return lines
 
 

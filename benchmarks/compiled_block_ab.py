@@ -50,7 +50,7 @@ def main():
     tables, joined = F.RopeTables.for_forward, F._joined
     if args.exact_attention:
         names = ("MLX's op", "exact_attention")
-        ways = {False: lambda: setattr(A, "OP_BY_OP", True), True: lambda: setattr(A, "OP_BY_OP", False)}
+        ways = {False: lambda: setattr(A, "EXACT_ATTENTION", False), True: lambda: setattr(A, "EXACT_ATTENTION", True)}
     elif args.joined:
         names = ("block by block", "joined")
         ways = {False: lambda: setattr(F, "_joined", lambda *a: False), True: lambda: setattr(F, "_joined", joined)}

@@ -54,7 +54,7 @@ def same_bits(a: mx.array, b: mx.array) -> bool:
 
 
 @pytest.mark.parametrize("Hq,Hkv", [(9, 3), (4, 4), (8, 2)])
-@pytest.mark.parametrize("B,T,S", [(1, 2, 2), (2, 5, 40), (1, 6, 300), (1, 64, 700), (2, 1, 40)])
+@pytest.mark.parametrize("B,T,S", [(1, 2, 2), (2, 5, 40), (1, 6, 300), (1, 64, 700), (2, 1, 40), (1, 5, 2000)])
 @pytest.mark.parametrize("kind", [None, "causal", "bool, one head", "bool, every head", "additive"])
 def test_exact_attention_has_the_bits_of_mlxs_attention(Hq, Hkv, B, T, S, kind):
     """MLX's attention op on the CPU, the same bits: every mask kind, GQA groups, batches."""
@@ -69,10 +69,12 @@ def test_exact_attention_runs_for_two_or_more_float32_queries_on_the_cpu_short_o
     assert attention._exact_for(2, 40) == on_cpu and attention._exact_for(6, 1023) == on_cpu
     assert not attention._exact_for(1, 40)  # one query over few keys: MLX's op is as fast
     assert attention._exact_for(1, attention.EXACT_ONE_QUERY_MIN_KEYS) == on_cpu
-    assert not attention._exact_for(6, attention.GROUPED_MIN_KEYS)  # the grouped path's
+    assert attention._exact_for(6, 6000) == on_cpu and attention._exact_for(1, 6000) == on_cpu  # any length
+    q, k, v = random_qkv(1, 9, 3, 5, attention.GROUPED_MIN_KEYS + 10)
+    assert not attention.use_grouped(q, k)  # float32: exact_attention, not the grouped path
     assert not attention._exact_for(6, 40, mx.float16)  # MLX's softmax accumulates float16 in float32
     assert np.array_equal(np.array(attention._causal(3, 10)), np.tril(np.ones((3, 10), bool), 7))
-    monkeypatch.setattr(attention, "OP_BY_OP", True)
+    monkeypatch.setattr(attention, "EXACT_ATTENTION", False)
     assert not attention._exact_for(6, 40)
     q, k, v = random_qkv(1, 9, 3, 4, 30)
     assert same_bits(attention.attention_over_cache(q, k, v, 0.125, "causal"), fused(q, k, v, "causal"))
@@ -146,6 +148,7 @@ def test_methods_keep_greedy_identity_with_the_grouped_path(monkeypatch, method,
 
     plain = tokens("ar", {})
     monkeypatch.setattr(attention, "GROUPED_MIN_KEYS", 1)
+    monkeypatch.setattr(attention, "EXACT_ATTENTION", False)  # float32 takes exact_attention otherwise
     assert tokens(method, options) == plain
 
 

@@ -1,4 +1,4 @@
-"""Attention over the KV cache: MLX's fused kernel, or on the CPU over a long cache a grouped one.
+"""Attention over the KV cache: MLX's fused kernel; on the CPU its own ops compiled, or a grouped one.
 
 On Metal `mx.fast.scaled_dot_product_attention` is a fused kernel: it is always used there. On
 the CPU it is composed from ops, and over a long cache its softmax dominates: MLX's CPU `exp`
@@ -13,15 +13,18 @@ path computes the same attention with
 - the normalisation after the value matmul: (e @ V) / sum(e), T x D divisions instead of T x S.
 
 It is used only where measured to pay (`use_grouped`): on the CPU with at least
-`GROUPED_MIN_KEYS` keys. Below that (every short-context test, and the bit-exact parity with
-mlx-lm) MLX's attention runs. Both compute softmax(Q K^T * scale + mask) V; they differ
-by float rounding (measured max |diff| in benchmarks/results/attention_cost_cpu.md).
+`GROUPED_MIN_KEYS` keys, for what `exact_attention` does not take (float16 and bfloat16, or all of
+it with MLX_SPECDEC_OP_BY_OP=1). Both compute softmax(Q K^T * scale + mask) V; they differ by
+float rounding (measured max |diff| in benchmarks/results/attention_cost_cpu.md).
 
-Below `GROUPED_MIN_KEYS`, a forward of 2+ float32 queries on the CPU (a verify, a prefill chunk)
-runs MLX's own CPU attention as `exact_attention`: the ops of its fallback in the same order as one
-compiled graph, its softmax the same arithmetic (`_softmax`). The bits are MLX's; the softmax's
-`exp` is vectorized by the JIT (mlx_specdec/_jit.py) where MLX's prebuilt one takes ~14 ns an
-element: forwards of 3-8 tokens 0.93-0.98x the time after 150 tokens, 0.80-0.91x after 600
+On the CPU in float32, every forward of 2+ queries (a verify, a prefill chunk) and every one-query
+step over 300+ keys runs MLX's own attention as `exact_attention`: the ops of its fallback in the
+same order as one compiled graph, its softmax the same arithmetic (`_softmax`), the query heads of
+a KV head as the rows of one product where the small-row GEMM gives them the same bits. The bits
+are MLX's (so `ar` matches mlx-lm at every length); the softmax's `exp` is vectorized by the JIT
+(mlx_specdec/_jit.py) where MLX's prebuilt one takes ~14 ns an element: forwards of 3-8 tokens
+0.93-0.98x the time after 150 tokens, 0.80-0.91x after 600, and 0.77-0.96x the grouped path's
+after 2,000 and 6,000 tokens (one token 0.87-0.91x), a 3,072-token prefill 0.88x
 (benchmarks/results/issue18_stop39.md).
 """
 
@@ -34,15 +37,17 @@ from typing import Union
 
 import mlx.core as mx
 
-from .. import masks
+from .. import _blas, masks
 from .device import on_cuda
 
 Mask = Union[None, str, mx.array]
 
 # Chosen by benchmarks/attention_cost.py on the 2-core CPU (benchmarks/results/attention_cost_cpu.md).
 GROUPED_MIN_KEYS = 1024  # fewer keys: the fused op is as fast
-OP_BY_OP = bool(os.environ.get("MLX_SPECDEC_OP_BY_OP"))  # =1: MLX's own attention op too (to compare)
+# MLX_SPECDEC_OP_BY_OP=1: MLX's own attention op (and the grouped path over long caches) instead
+EXACT_ATTENTION = not os.environ.get("MLX_SPECDEC_OP_BY_OP")
 EXACT_ONE_QUERY_MIN_KEYS = 300  # one query over fewer keys: MLX's attention op is as fast as exact_attention
+SMALL_GEMM_ROWS = 64  # products of at most this many rows run on the engine's small-row GEMM (_blas.py)
 
 _LOG2E = 1.4426950408889634
 _LN2_HI = 0.693145751953125  # ln 2 = _LN2_HI + _LN2_LO; _LN2_HI has 16 significant bits
@@ -81,8 +86,9 @@ def fast_exp(x: mx.array, shift: float | mx.array = 0.0) -> mx.array:
     return p * mx.view(bits, mx.float32)
 
 
-def _grouped_for(keys: int) -> bool:
-    return keys >= GROUPED_MIN_KEYS and mx.default_device() == mx.cpu
+def _grouped_for(queries: int, keys: int, dtype: mx.Dtype) -> bool:
+    """The grouped path: the CPU, a long cache, where `exact_attention` does not run."""
+    return keys >= GROUPED_MIN_KEYS and mx.default_device() == mx.cpu and not _exact_for(queries, keys, dtype)
 
 
 #: On CUDA, MLX 0.32's fused attention over more than one query runs a cuDNN graph built for each
@@ -103,8 +109,9 @@ def _verify_on_cuda(queries: int) -> bool:
 
 def use_grouped(queries: mx.array, keys: mx.array) -> bool:
     """The grouped path only where it was measured to pay: the CPU and a long cache (any number
-    of queries: a one-token step, a verify, a prefill chunk; benchmarks/results/attention_cost_cpu.md)."""
-    return _grouped_for(keys.shape[2])
+    of queries: a one-token step, a verify, a prefill chunk; benchmarks/results/attention_cost_cpu.md),
+    for what `exact_attention` does not take (float16, bfloat16, or with it switched off)."""
+    return _grouped_for(queries.shape[2], keys.shape[2], queries.dtype)
 
 
 def key_bucket(keys: int) -> int:
@@ -162,11 +169,11 @@ def _with_visible_prefix(mask: mx.array, keys: int) -> mx.array:
     return mx.concatenate([head, mask], axis=-1)
 
 
-def widen_tail_mask(mask: mx.array, keys: int) -> mx.array:
+def widen_tail_mask(mask: mx.array, queries: int, keys: int, dtype: mx.Dtype) -> mx.array:
     """A tail mask over `keys` keys as the attention that will run takes it: narrow for the grouped
-    path (it skips the prefix), widened for MLX's fused one. A forward calls this once for all its
-    layers (they share the mask and the key count)."""
-    return mask if _grouped_for(keys) else _with_visible_prefix(mask, keys)
+    path (it skips the prefix), widened for MLX's fused one and `exact_attention`. A forward calls
+    this once for all its layers (they share the mask, the query and key counts and the dtype)."""
+    return mask if _grouped_for(queries, keys, dtype) else _with_visible_prefix(mask, keys)
 
 
 def full_width(mask: Mask, queries: mx.array, keys: mx.array) -> Mask:
@@ -269,10 +276,10 @@ def _scale_array(scale: float) -> mx.array:
 
 def _exact_for(queries: int, keys: int, dtype: mx.Dtype = mx.float32) -> bool:
     """MLX's attention as `exact_attention`: the CPU, float32, 2+ queries or one over at least
-    EXACT_ONE_QUERY_MIN_KEYS keys (fewer: MLX's op is as fast, measured), keys short of the grouped
-    path; not with the op-by-op switch."""
+    EXACT_ONE_QUERY_MIN_KEYS keys (fewer: MLX's op is as fast, measured), at any length (it beat
+    the grouped path after 2,000 and 6,000 tokens, prefill included); EXACT_ATTENTION on."""
     return ((queries > 1 or keys >= EXACT_ONE_QUERY_MIN_KEYS) and dtype == mx.float32
-            and mx.default_device() == mx.cpu and not _grouped_for(keys) and not OP_BY_OP)
+            and mx.default_device() == mx.cpu and EXACT_ATTENTION)
 
 
 @functools.lru_cache(maxsize=8)
@@ -291,32 +298,40 @@ def exact_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: 
     B, Hq, T, Dh = queries.shape
     Hkv, S = keys.shape[1], keys.shape[2]
     G = Hq // Hkv
-    if G > 1:  # query heads h = j*G + g share KV head j
-        queries = queries.reshape(B, Hkv, G, T, Dh)
-        keys, values = mx.expand_dims(keys, 2), mx.expand_dims(values, 2)  # (B, Hkv, 1, S, Dh)
     if isinstance(mask, str):  # "causal" over the keys this layer attends (a sparse cache: not all)
         mask = _causal(T, S)
+    if mask is not None:
+        mask = _grouped(mask, Hkv, G) if G > 1 else mask  # (B|1, Hkv|1, G|1, T, S)
+    if 1 < G and G * T <= SMALL_GEMM_ROWS and _blas.small_gemm is not None:
+        # The query heads of a KV head as the rows of one product (B, Hkv, G*T, Dh): the keys and
+        # values are read once for all G heads, and the engine's small-row GEMM gives every row the
+        # bits it gives it in MLX's G products of T rows (native/small_gemm.c: the same bits whatever
+        # the row count).
+        queries = queries.reshape(B, Hkv, G * T, Dh)
+        if mask is not None:
+            mask = mx.broadcast_to(mask, mask.shape[:2] + (G, T, S)).reshape(*mask.shape[:2], G * T, S)
+    elif G > 1:  # MLX's own layout: (B, Hkv, G, T, Dh) against (B, Hkv, 1, S, Dh)
+        queries = queries.reshape(B, Hkv, G, T, Dh)
+        keys, values = mx.expand_dims(keys, 2), mx.expand_dims(values, 2)
     scale = _scale_array(scale)
     if mask is None:
         out = _ATTEND[0](queries, keys, values, scale)
+    elif mask.dtype == mx.bool_:
+        out = _ATTEND[1](queries, keys, values, scale, mask)
     else:
-        mask = _grouped(mask, Hkv, G) if G > 1 else mask
-        if mask.dtype == mx.bool_:
-            out = _ATTEND[1](queries, keys, values, scale, mask)
-        else:
-            out = _ATTEND[2](queries, keys, values, scale, mask.astype(mx.float32))
-    return out.reshape(B, Hq, T, Dh)  # (B, Hkv, G, T, Dh) -> (B, Hq, T, Dh)
+        out = _ATTEND[2](queries, keys, values, scale, mask.astype(mx.float32))
+    return out.reshape(B, Hq, T, Dh)
 
 
 def attention_over_cache(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
                          mask: Mask = None) -> mx.array:
     """The attention every forward uses: the grouped path where it pays, else MLX's own (on the
     CPU, where it pays, as `exact_attention`: the same bits)."""
+    if _exact_for(queries.shape[2], keys.shape[2], queries.dtype):
+        return exact_attention(queries, keys, values, scale, full_width(mask, queries, keys))
     if use_grouped(queries, keys):
         return grouped_attention(queries, keys, values, scale, mask)
     mask = full_width(mask, queries, keys)
-    if _exact_for(queries.shape[2], keys.shape[2], queries.dtype):
-        return exact_attention(queries, keys, values, scale, mask)
     if _verify_on_cuda(queries.shape[2]):
         keys, values, mask = bucket_keys(queries, keys, values, mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)

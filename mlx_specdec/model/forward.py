@@ -7,8 +7,9 @@ layers all work unchanged) and takes per-token `positions` and an explicit atten
 
 With `positions=None` and `mask=None` it does exactly what mlx-lm does (scalar RoPE offset,
 "causal" mask for more than one query), so plain decoding matches `mlx_lm.generate` bit for bit;
-on the CPU over a cache of `attention.GROUPED_MIN_KEYS` or more keys it computes the same
-attention a faster way (`attention.py`), equal up to float rounding.
+on the CPU in float32 the attention runs as MLX's own ops in one compiled graph (`attention.py`
+`exact_attention`: the same bits, at any length), in other dtypes over a cache of
+`attention.GROUPED_MIN_KEYS` or more keys a faster way, equal up to float rounding.
 """
 
 from __future__ import annotations
@@ -312,7 +313,7 @@ def forward(
     if key_bucket is not None:  # a verify on CUDA: its mask over the bucket of keys, once for every layer
         mask = bucket_mask(mask, h.shape[1], cached + h.shape[1], key_bucket)
     elif isinstance(mask, mx.array) and cached is not None:
-        mask = widen_tail_mask(mask, cached + h.shape[1])  # once here for every layer
+        mask = widen_tail_mask(mask, h.shape[1], cached + h.shape[1], h.dtype)  # once here for every layer
     rope_tables = RopeTables.for_forward(inner.layers, positions)
     if _joined(inner.layers, layer_caches, h, positions, cached, key_bucket, rope_tables):
         h = _compiled_layers(inner.layers, layer_caches, h, positions, cached, mask, rope_tables)
