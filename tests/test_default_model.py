@@ -85,3 +85,43 @@ def test_default_model_directories_are_cached():
     first = ensure_default_model("f16", quiet=True)
     assert ensure_default_model("f16", quiet=True) == first
     assert (first / "config.json").exists() and list(first.glob("*.safetensors"))
+
+
+@pytest.mark.skipif(not __import__("mlx_specdec._blas", fromlist=["x"]).small_gemm, reason="needs the small-row GEMM")
+@pytest.mark.parametrize("context", [40, 1100])  # below and above the old grouped path's 1,024 keys
+def test_on_the_cpu_a_verify_gives_the_one_token_steps_logits_bit_for_bit(engine, context):
+    """float32 on the CPU: the small-row GEMM sums each row alike whatever the row count, and
+    `exact_attention` is MLX's attention whatever the query count, so a T-token verify (a chain at
+    contiguous positions, or the same chain as a tree at per-token positions) gives each position
+    the logits the one-token steps give it: speculation is then lossless bit for bit, not only up
+    to near-ties (benchmarks/results/tie_flips_stop39.md)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mlx_specdec import masks
+    from mlx_specdec.cache import ContiguousKVCache
+    from mlx_specdec.model.forward import forward
+
+    if mx.default_device() != mx.cpu:
+        pytest.skip("the CPU's arithmetic")
+    model = engine.lm.model
+    prompt = [(i * 37 + 11) % 40000 + 100 for i in range(context)]
+    cache = ContiguousKVCache.for_model(model)
+    forward(model, mx.array([prompt]), cache, logits_for="none")
+    start, token, tokens, steps = cache.offset, prompt[-1], [], []
+    for _ in range(5):  # `ar`: one token a forward
+        logits = forward(model, mx.array([[token]]), cache).logits[0, -1]
+        token = int(mx.argmax(logits))
+        tokens.append(token)
+        steps.append(np.array(logits))
+    chain = [prompt[-1]] + tokens[:-1]
+    for tree in (False, True):
+        cache.rollback_to(start)
+        where = {}
+        if tree:
+            parents = [list(range(-1, len(chain) - 1))]
+            where = dict(positions=masks.ragged_tree_positions(np.array([start]), parents, len(chain)),
+                         mask=masks.tree_tail_mask(parents, len(chain)))
+        verify = np.array(forward(model, mx.array([chain]), cache, **where).logits[0])
+        for i, step in enumerate(steps):
+            assert np.array_equal(verify[i].view(np.uint32), step.view(np.uint32)), (tree, i)
