@@ -17,7 +17,7 @@ and sines made once per forward (model/rope_table.py) with each layer's RoPE mod
 siblings of its first draft, as `redrafter`'s runners-up make them), where the layers' RoPE
 rotates each token on its own (`rope_at`) and the tables give one row per token (`tables_at`).
 --exact-attention compares MLX's own attention op with model/attention.py's `exact_attention` (its
-ops with the softmax compiled; T = 1..8: one query always takes MLX's op).
+ops as one compiled graph; T = 1..8: one query over fewer than 300 keys takes MLX's op either way).
 """
 
 import argparse

@@ -53,6 +53,11 @@ def same_bits(a: mx.array, b: mx.array) -> bool:
     return a.shape == b.shape and np.array_equal(np.array(a).view(np.uint32), np.array(b).view(np.uint32))
 
 
+exact_here = pytest.mark.skipif(not attention.EXACT_ATTENTION or mx.default_device() != mx.cpu,
+                                reason="exact_attention copies MLX's CPU arithmetic on x86-64 only")
+
+
+@exact_here
 @pytest.mark.parametrize("Hq,Hkv", [(9, 3), (4, 4), (8, 2)])
 @pytest.mark.parametrize("B,T,S", [(1, 2, 2), (2, 5, 40), (1, 6, 300), (1, 64, 700), (2, 1, 40), (1, 5, 2000)])
 @pytest.mark.parametrize("kind", [None, "causal", "bool, one head", "bool, every head", "additive"])
@@ -64,6 +69,7 @@ def test_exact_attention_has_the_bits_of_mlxs_attention(Hq, Hkv, B, T, S, kind):
     assert same_bits(attention.exact_attention(q, k, v, 0.125, mask), fused(q, k, v, mask))
 
 
+@exact_here
 def test_exact_attention_runs_for_two_or_more_float32_queries_on_the_cpu_short_of_the_grouped_path(monkeypatch):
     on_cpu = mx.default_device() == mx.cpu
     assert attention._exact_for(2, 40) == on_cpu and attention._exact_for(6, 1023) == on_cpu

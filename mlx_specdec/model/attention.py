@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import platform
 from typing import Union
 
 import mlx.core as mx
@@ -44,8 +45,10 @@ Mask = Union[None, str, mx.array]
 
 # Chosen by benchmarks/attention_cost.py on the 2-core CPU (benchmarks/results/attention_cost_cpu.md).
 GROUPED_MIN_KEYS = 1024  # fewer keys: the fused op is as fast
-# MLX_SPECDEC_OP_BY_OP=1: MLX's own attention op (and the grouped path over long caches) instead
-EXACT_ATTENTION = not os.environ.get("MLX_SPECDEC_OP_BY_OP")
+# MLX_SPECDEC_OP_BY_OP=1: MLX's own attention op (and the grouped path over long caches) instead.
+# Only on x86-64, where MLX's CPU kernels have no SIMD types and its softmax sums a row in order as
+# `_softmax` does; on arm64 (NEON, Accelerate) it sums in lanes, so the bits would differ there.
+EXACT_ATTENTION = not os.environ.get("MLX_SPECDEC_OP_BY_OP") and platform.machine() in ("x86_64", "AMD64")
 EXACT_ONE_QUERY_MIN_KEYS = 300  # one query over fewer keys: MLX's attention op is as fast as exact_attention
 SMALL_GEMM_ROWS = 64  # products of at most this many rows run on the engine's small-row GEMM (_blas.py)
 
