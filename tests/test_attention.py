@@ -80,6 +80,11 @@ def test_exact_attention_runs_for_two_or_more_float32_queries_on_the_cpu_short_o
     assert not attention.use_grouped(q, k)  # float32: exact_attention, not the grouped path
     assert not attention._exact_for(6, 40, mx.float16)  # MLX's softmax accumulates float16 in float32
     assert np.array_equal(np.array(attention._causal(3, 10)), np.tril(np.ones((3, 10), bool), 7))
+    causal = attention._causal(3, 10)  # one mask for a forward's layers: stacked per KV head once
+    rows = attention._mask_as_rows(causal, 3, 3)
+    assert rows.shape == (1, 1, 9, 10) and attention._mask_as_rows(causal, 3, 3) is rows
+    assert np.array_equal(np.array(rows), np.tile(np.array(causal), (3, 1))[None, None])
+    assert attention._mask_as_rows(attention._causal(3, 11), 3, 3).shape[-1] == 11  # another mask: made anew
     monkeypatch.setattr(attention, "EXACT_ATTENTION", False)
     assert not attention._exact_for(6, 40)
     q, k, v = random_qkv(1, 9, 3, 4, 30)

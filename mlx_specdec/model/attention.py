@@ -292,6 +292,24 @@ def _causal(queries: int, keys: int) -> mx.array:
     return masks.causal_mask(queries, keys - queries)
 
 
+_last_rows_mask = (None, 0, None)  # (mask, G, its rows): the last `_mask_as_rows`, for the next layer
+
+
+def _mask_as_rows(mask: mx.array, Hkv: int, G: int) -> mx.array:
+    """A mask broadcastable to (B, Hq, T, S) as (B|1, Hkv|1, G*T, S), the rows of the query heads
+    stacked per KV head: a copy G times its size, made once for a forward's layers (they pass the
+    very same mask array; the one kept here stays alive, so `is` cannot match a new one)."""
+    global _last_rows_mask
+    last, last_groups, rows = _last_rows_mask
+    if last is mask and last_groups == G:
+        return rows
+    grouped = _grouped(mask, Hkv, G)  # (B|1, Hkv|1, G|1, T, S)
+    T, S = grouped.shape[-2:]
+    rows = mx.broadcast_to(grouped, grouped.shape[:2] + (G, T, S)).reshape(*grouped.shape[:2], G * T, S)
+    _last_rows_mask = (mask, G, rows)
+    return rows
+
+
 def exact_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
                     mask: Mask = None) -> mx.array:
     """`mx.fast.scaled_dot_product_attention` on the CPU, the same bits: its fallback's ops
@@ -303,19 +321,17 @@ def exact_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: 
     G = Hq // Hkv
     if isinstance(mask, str):  # "causal" over the keys this layer attends (a sparse cache: not all)
         mask = _causal(T, S)
-    if mask is not None:
-        mask = _grouped(mask, Hkv, G) if G > 1 else mask  # (B|1, Hkv|1, G|1, T, S)
     if 1 < G and G * T <= SMALL_GEMM_ROWS and _blas.small_gemm is not None:
         # The query heads of a KV head as the rows of one product (B, Hkv, G*T, Dh): the keys and
         # values are read once for all G heads, and the engine's small-row GEMM gives every row the
         # bits it gives it in MLX's G products of T rows (native/small_gemm.c: the same bits whatever
         # the row count).
         queries = queries.reshape(B, Hkv, G * T, Dh)
-        if mask is not None:
-            mask = mx.broadcast_to(mask, mask.shape[:2] + (G, T, S)).reshape(*mask.shape[:2], G * T, S)
+        mask = None if mask is None else _mask_as_rows(mask, Hkv, G)
     elif G > 1:  # MLX's own layout: (B, Hkv, G, T, Dh) against (B, Hkv, 1, S, Dh)
         queries = queries.reshape(B, Hkv, G, T, Dh)
         keys, values = mx.expand_dims(keys, 2), mx.expand_dims(values, 2)
+        mask = None if mask is None else _grouped(mask, Hkv, G)  # (B|1, Hkv|1, G|1, T, S)
     scale = _scale_array(scale)
     if mask is None:
         out = _ATTEND[0](queries, keys, values, scale)

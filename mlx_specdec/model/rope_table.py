@@ -7,9 +7,10 @@ they are read once, from the model's own RoPE module rotating a unit vector: eac
 comes out as (cos, sin) exactly (1*c - 0*s = c, 1*s + 0*c = s), so they are the very values the
 module multiplies by. `rotate` then applies them as the module does (two products, one sum each),
 with the same bits (tests/test_forward.py). A tree's per-token positions get one table row per
-token the same way (`tables_at`), in place of 60 per-token rotations. Used for float32 activations and plain `nn.RoPE`
-modules rotating a whole head, shared by every layer (the default model and every Llama without
-rope scaling); anything else keeps its module (a float16 RoPE rounds once, after both products).
+token the same way (`tables_at`), in place of 60 per-token rotations. Used for float32
+activations and plain `nn.RoPE` modules rotating a whole head, shared by every layer (the default
+model and every Llama without rope scaling); anything else keeps its module (a float16 RoPE rounds
+once, after both products).
 """
 
 from __future__ import annotations
