@@ -27,12 +27,13 @@ from mlx_specdec.engine import Engine
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
+    ap.add_argument("--dtype", default="auto", help="the LLM's compute dtype (auto: float32 on the CPU)")
     ap.add_argument("--heads", required=True, help="comma list of drafter directories")
     ap.add_argument("--data", required=True, help="comma list of distillation data directories (valid split used)")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
 
-    lm = Engine.load(args.model, drafter=None, apar_adapter=None).lm
+    lm = Engine.load(args.model, dtype=args.dtype, drafter=None, apar_adapter=None).lm
     valid = load_splits([Path(d).expanduser() for d in args.data.split(",")], "valid")
     print(f"held-out: {len(valid.offsets) - 1} answers, {len(valid.tokens)} tokens\n")
     print("| head | top-1 by position (%) | top-4 by position (%) | chain tok/step (W=1) | s |")

@@ -12,25 +12,11 @@
 # $OUT as it finishes, so a run stopped at its limit still returns what it measured; the steps run
 # in the order they matter.
 set -u
-X=${X:-/tmp/x}
-OUT=${OUT:-/tmp/out}
-PY=${PY:-python3}
 QUICK=${QUICK:-}  # set: one prompt, 8 tokens, one repeat (a check of this script on a CPU)
-cd "$(dirname "$0")/../.."
-mkdir -p "$OUT"
-if [ ! -d "$X/home" ] && ls "$X"/part.* >/dev/null 2>&1; then
-    cat "$X"/part.* | xz -dc -T0 | tar xf - -C "$X" || { echo "unpack failed"; exit 1; }
-fi
-export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 MLX_SPECDEC_NO_OPENBLAS=1 MLX_SPECDEC_HOME="$X/home"
-[ -d "$X/site" ] && export PYTHONPATH="$X/site:$PWD"
+source "$(dirname "$0")/env.sh"
 D=models/drafter-smollm2-135m
 LIMIT=8; TOKENS=64; REPEATS=2; AB_REPEATS=12
 [ -n "$QUICK" ] && { LIMIT=1; TOKENS=8; REPEATS=1; AB_REPEATS=2; }
-
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
-  $PY -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), mx.device_info())" 2>&1
-  git log -1 --format='code at %h %s' 2>&1
-} | tee "$OUT/environment.txt"
 
 LOGS=$(mktemp -d)  # logs stay there: at most 8 files come back from $OUT
 step() {  # step NAME SECONDS COMMAND...: run under a limit, keep its log

@@ -43,6 +43,9 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="init and data-order seed (default: %(default)s)")
     p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (default: %(default)s)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this step (resume later)")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="stop training after this many minutes, evaluate and save the head as it is "
+                        "(resume later with the same options)")
     p.add_argument("--skip-k-measure", action="store_true", help="skip the draft-vocabulary coverage/timing table")
     p.add_argument("--data-only", action="store_true",
                    help="generate (or resume) the distillation data and stop: a long run over sessions")
@@ -145,6 +148,8 @@ def cmd_train_drafter(args) -> int:
         raise UserError("--draft-vocab, --draft-length and --batch-size must be positive")
     if args.epochs <= 0 or args.lr <= 0:
         raise UserError("--epochs and --lr must be positive")
+    if args.max_minutes is not None and args.max_minutes <= 0:
+        raise UserError("--max-minutes must be positive")
     if not 0.0 <= args.soft_targets <= 1.0:
         raise UserError("--soft-targets is a share between 0 and 1")
     prompts = _training_prompt_files(args.prompts)
@@ -159,7 +164,8 @@ def cmd_train_drafter(args) -> int:
     cfg = TrainConfig(draft_vocab_size=args.draft_vocab, draft_length=args.draft_length,
                       num_blocks=args.blocks, batch_size=args.batch_size, epochs=args.epochs,
                       lr=args.lr, seed=args.seed, checkpoint_every=args.checkpoint_every,
-                      max_steps=args.max_steps, output=args.output_kind, feature_loss=args.feature_loss,
+                      max_steps=args.max_steps, max_minutes=args.max_minutes,
+                      output=args.output_kind, feature_loss=args.feature_loss,
                       soft_targets=args.soft_targets, init_from=str(Path(args.init_from).resolve()) if args.init_from else None)
     run_pipeline(engine.lm, prompts, data_dir, Path(args.output), ckpt, cfg,
                  max_new_tokens=args.max_new_tokens, data_batch=args.data_batch,

@@ -53,6 +53,7 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: int = 50
     max_steps: Optional[int] = None  # stop early (for tests / partial runs)
+    max_minutes: Optional[float] = None  # stop after this much training time (a lent machine's deadline)
     compile: bool = True
     output: str = "draft_vocab"  # "draft_vocab" | "llm_head" (DrafterConfig.output)
     feature_loss: float = 1.0  # weight of the hidden-state regression (output="llm_head")
@@ -141,7 +142,7 @@ def train_head(lm, train: Sequences, cfg: TrainConfig, checkpoint_dir: Optional[
     step = 0
     # settings that must match for a resume (a resumed run may stop elsewhere or save more often)
     # (init_from and soft_targets only where set: checkpoints written before them still resume)
-    same = {k: v for k, v in asdict(cfg).items() if k not in ("max_steps", "checkpoint_every", "compile")
+    same = {k: v for k, v in asdict(cfg).items() if k not in ("max_steps", "max_minutes", "checkpoint_every", "compile")
             and not (k == "init_from" and v is None) and not (k == "soft_targets" and not v)}
     meta = {"train": same, "total_steps": total, "windows": len(windows)}
     if checkpoint_dir is not None:
@@ -192,6 +193,9 @@ def train_head(lm, train: Sequences, cfg: TrainConfig, checkpoint_dir: Optional[
     epoch_cache = (-1, None)
     try:
         while step < stop:
+            if cfg.max_minutes is not None and time.perf_counter() - t0 > 60 * cfg.max_minutes:
+                log(f"stopped at step {step}/{total} after {cfg.max_minutes:g} min (resume with the same options)")
+                break
             epoch, within = divmod(step, per_epoch)
             if epoch_cache[0] != epoch:
                 epoch_cache = (epoch, order(epoch))
