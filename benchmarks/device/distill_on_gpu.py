@@ -39,6 +39,12 @@ LARGE_PARTS = 3
 # head (v6: 2 blocks, K = 8192), more blocks starting as the identity (drafter/train.py grown_weights)
 HEADS = [("b2", 2, 7e-4, 5), ("b2_lr15", 2, 1.5e-3, 5), ("b4", 4, 7e-4, 5), ("b2_len3", 2, 7e-4, 3)]
 NATURAL = ("train_prompts_natural", "train_prompts_natural2")  # the held-out set heads are chosen by
+# MLX's CUDA allocator lets one process cache freed buffers up to 95 % of the GPU's memory: six
+# processes decoding with a new key count every step ran the H200 (143 GB) out of memory within
+# seconds. Each process here keeps at most CACHE_GB cached.
+CACHE_GB = 6
+PRELUDE = (f"import sys, runpy, mlx_specdec, mlx.core as mx; mx.set_cache_limit({CACHE_GB} << 30); "
+           "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
 SHARES = {"generate": 0.42, "train": 0.80, "evaluate": 0.93}  # each phase ends at this share of the budget
 
 
@@ -64,7 +70,7 @@ class Run:
 
     def spawn(self, name: str, argv: list, **env) -> subprocess.Popen:
         log = open(self.work / "logs" / f"{name}.log", "w")
-        return subprocess.Popen([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+        return subprocess.Popen([sys.executable, "-c", PRELUDE, *argv], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                 env=dict(os.environ, PYTHONUNBUFFERED="1", **env))
 
     def wait_all(self, procs: dict, phase: str, grace: float = 0) -> dict:
@@ -110,7 +116,7 @@ class Run:
         groups = [[self.prompt_file(e) for e in group] for group in GROUPS]
         a = self.args
         procs = {f"generate{i}": self.spawn(f"generate{i}", [
-            "-m", "mlx_specdec.cli", "train-drafter", "--model", "default", "--dtype", a.dtype,
+            "mlx_specdec.cli", "train-drafter", "--model", "default", "--dtype", a.dtype,
             "--prompts", ",".join(map(str, files)), "--data-only", "--data-batch", str(a.data_batch),
             "--max-new-tokens", str(a.max_new_tokens), "--data-dir", str(self.work / "data"),
             "--output", str(self.work / "heads" / f"generate{i}")]) for i, files in enumerate(groups)}
@@ -140,7 +146,7 @@ class Run:
         argv = {}
         for name, blocks, lr, length in HEADS:
             argv[name] = [
-                "-m", "mlx_specdec.cli", "train-drafter", "--model", "default", "--dtype", a.dtype,
+                "mlx_specdec.cli", "train-drafter", "--model", "default", "--dtype", a.dtype,
                 "--prompts", ",".join(map(str, present)), "--data-dir", str(self.work / "data"), "--no-generate",
                 "--init-from", str(SHIPPED), "--blocks", str(blocks), "--lr", str(lr),
                 "--draft-length", str(length), "--batch-size", str(a.batch_size), "--epochs", str(a.epochs),
@@ -178,7 +184,7 @@ class Run:
         sets = {"natural": [f for f in with_valid if f.stem.startswith(NATURAL)], "all": with_valid}
         dirs = ",".join([str(SHIPPED)] + [str(self.work / "heads" / h) for h in heads])
         procs = {f"heldout_{k}": self.spawn(f"heldout_{k}", [
-            str(ROOT / "benchmarks" / "drafter_heldout.py"), "--dtype", self.args.dtype, "--heads", dirs,
+            "benchmarks.drafter_heldout", "--dtype", self.args.dtype, "--heads", dirs,
             "--data", ",".join(str(self.work / "data" / f.stem) for f in v), "--json", str(self.work / f"heldout_{k}.json")])
             for k, v in sets.items() if v}
         self.wait_all(procs, "evaluate")
