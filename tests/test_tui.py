@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from mlx_specdec.decoding.redrafter import DEFAULT_DRAFT_CUTOFF
+
 pytest.importorskip("textual")
 
 from tui.app import ChatApp  # noqa: E402
@@ -278,7 +280,7 @@ def test_settings_choose_method_and_options_per_conversation(tmp_path):
             await until(pilot, lambda: app.current is None)
             call = engine.calls[-1]
             assert call["method"] == "redrafter"
-            assert call["params"].options == {"beam_width": 3, "beam_length": 4, "draft_cutoff": 0.2}
+            assert call["params"].options == {"beam_width": 3, "beam_length": 4, "draft_cutoff": DEFAULT_DRAFT_CUTOFF}
             assert call["params"].max_tokens == 6
             # a bad value is refused with a notification; the screen stays open
             await pilot.press("ctrl+o")

@@ -88,7 +88,7 @@ METHOD_SETTINGS = [
     ("redrafter", "beam_width", "--beam-width", "beam width W (default: 1)", _positive_int),
     ("redrafter", "draft_cutoff", "--draft-cutoff",
      "verify only the drafts the head gives at least this probability (each beam up to its first below); "
-     "a step with none is a plain step; 0 = every draft (default: 0.2)",
+     "a step with none is a plain step; 0 = every draft (default: 0.1)",
      lambda text, flag: _fraction(text, flag)),
     ("redrafter", "draft_trust", "--draft-trust",
      "on = the cutoff applies to the head's probability times a running per-answer trust (accepted "
