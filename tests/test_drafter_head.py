@@ -149,6 +149,26 @@ def test_resume_continues_at_saved_step_with_identical_parameters(lm, tmp_path):
         np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-7)
 
 
+def test_a_time_limit_stops_training_with_a_checkpoint_that_resumes_exactly(lm, tmp_path, monkeypatch):
+    data = synthetic_data(lm)
+    base = dict(draft_vocab_size=64, draft_length=3, batch_size=32, epochs=2, checkpoint_every=100)
+    straight = train_head(lm, data, TrainConfig(**base, max_steps=6), progress=False, log=lambda *_: None)
+    clock = iter(range(0, 10_000, 30))  # every reading of the clock 30 s after the one before
+    monkeypatch.setattr("mlx_specdec.drafter.train.time.perf_counter", lambda: next(clock))
+    messages = []
+    part = train_head(lm, data, TrainConfig(**base, max_steps=6, max_minutes=1.5), checkpoint_dir=tmp_path,
+                      progress=False, log=messages.append)
+    assert 0 < part.steps < 6 and f"stopped at step {part.steps}/" in messages[-1]
+    assert json.loads((tmp_path / "checkpoint.json").read_text())["step"] == part.steps
+    monkeypatch.undo()
+    resumed = train_head(lm, data, TrainConfig(**base, max_steps=6), checkpoint_dir=tmp_path,
+                         progress=False, log=lambda *_: None)
+    assert resumed.steps == 6
+    a, b = params(straight.head), params(resumed.head)
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-7)
+
+
 def test_draft_vocabulary_keeps_most_frequent_and_eos():
     tokens = np.array([5] * 10 + [7] * 5 + [9] * 3 + [11], np.int32)
     assert draft_vocabulary(tokens, 2, 20).tolist() == [5, 7]

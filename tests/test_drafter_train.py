@@ -148,6 +148,8 @@ def test_train_drafter_bad_input(tmp_path):
     assert "Traceback" not in result.stderr
     result = cli("train-drafter", "--draft-vocab", "0")
     assert result.returncode == 1 and "must be positive" in result.stderr
+    result = cli("train-drafter", "--max-minutes", "0")
+    assert result.returncode == 1 and "--max-minutes must be positive" in result.stderr
     result = cli("train-drafter", "--prompts", "benchmarks/prompts.jsonl")
     assert result.returncode == 1 and "never train on it" in result.stderr
     result = cli("train-drafter", "--data-only", "--no-generate")

@@ -195,6 +195,8 @@ def train_head(lm, train: Sequences, cfg: TrainConfig, checkpoint_dir: Optional[
         while step < stop:
             if cfg.max_minutes is not None and time.perf_counter() - t0 > 60 * cfg.max_minutes:
                 log(f"stopped at step {step}/{total} after {cfg.max_minutes:g} min (resume with the same options)")
+                if checkpoint_dir is not None:  # so that a resume goes on from exactly here
+                    _save_checkpoint(Path(checkpoint_dir), head, opt, step, meta)
                 break
             epoch, within = divmod(step, per_epoch)
             if epoch_cache[0] != epoch:
