@@ -2,7 +2,7 @@
 # ReDrafter in the GPU regime (../shared/gpu.md): ar against redrafter through MLX's CUDA backend
 # on the lent NVIDIA machine, where a few extra query tokens cost almost nothing, as on a Mac GPU.
 #
-#   bash benchmarks/device/cuda_bench.sh          # there, after the parts are in $X (below)
+#   CODE=<commit> bash benchmarks/device/cuda_bench.sh   # there, after the parts are in $X (below)
 #   QUICK=1 X=/tmp/xq PY=.venv/bin/python OUT=/tmp/oq bash benchmarks/device/cuda_bench.sh   # a check here
 #
 # The wheels (mlx, mlx-cuda-13, mlx-lm, platformdirs, unpacked into site/) and the default model's

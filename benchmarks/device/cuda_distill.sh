@@ -2,7 +2,7 @@
 # Issue 18's distillation data and heads on the lent NVIDIA machine (distill_on_gpu.py says what and
 # why), inside one call: BUDGET seconds in all, the unpacking and the model's conversion included.
 #
-#   BUDGET=480 bash benchmarks/device/cuda_distill.sh        # there, after the parts are in $X
+#   CODE=<commit> BUDGET=480 bash benchmarks/device/cuda_distill.sh   # there, after the parts are in $X
 #   QUICK=1 BUDGET=600 X=/tmp/xq PY=.venv/bin/python OUT=/tmp/dq bash benchmarks/device/cuda_distill.sh
 set -u
 start=$SECONDS

@@ -13,5 +13,7 @@ export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 MLX_SPECDEC_NO_OPENBLAS=${MLX_SPECDE
 [ -d "$X/site" ] && export PYTHONPATH="$X/site:$PWD"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
   $PY -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), mx.device_info())" 2>&1
-  git log -1 --format='code at %h %s' 2>&1
+  # the device copy's .git can name an older commit than the tree that travelled: the caller says
+  # which (CODE=$(git rev-parse --short HEAD) in the run's command, made here)
+  if [ -n "${CODE:-}" ]; then echo "code at $CODE (as the caller said)"; else git log -1 --format='code at %h %s (the copy'"'"'s .git)' 2>&1; fi
 } | tee "$OUT/environment.txt"
