@@ -127,6 +127,16 @@ def test_training_reduces_loss(lm):
     assert report["acc"][0] > 0.5
 
 
+def assert_resumes_to(straight, lm, data, base, checkpoint_dir):
+    """Training resumed from the checkpoint to `straight`'s step ends with its parameters."""
+    resumed = train_head(lm, data, TrainConfig(**base, max_steps=straight.steps), checkpoint_dir=checkpoint_dir,
+                         progress=False, log=lambda *_: None)
+    assert resumed.steps == straight.steps
+    a, b = params(straight.head), params(resumed.head)
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-7)
+
+
 def test_resume_continues_at_saved_step_with_identical_parameters(lm, tmp_path):
     data = synthetic_data(lm)
     base = dict(draft_vocab_size=64, draft_length=3, batch_size=32, epochs=2, checkpoint_every=3)
@@ -141,12 +151,7 @@ def test_resume_continues_at_saved_step_with_identical_parameters(lm, tmp_path):
     a, b = params(part.head), params(again.head)
     for k in a:
         np.testing.assert_array_equal(a[k], b[k])
-    resumed = train_head(lm, data, TrainConfig(**base, max_steps=6), checkpoint_dir=tmp_path,
-                         progress=False, log=lambda *_: None)
-    assert resumed.steps == 6
-    a, b = params(straight.head), params(resumed.head)
-    for k in a:
-        np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-7)
+    assert_resumes_to(straight, lm, data, base, tmp_path)
 
 
 def test_a_time_limit_stops_training_with_a_checkpoint_that_resumes_exactly(lm, tmp_path, monkeypatch):
@@ -161,12 +166,7 @@ def test_a_time_limit_stops_training_with_a_checkpoint_that_resumes_exactly(lm, 
     assert 0 < part.steps < 6 and f"stopped at step {part.steps}/" in messages[-1]
     assert json.loads((tmp_path / "checkpoint.json").read_text())["step"] == part.steps
     monkeypatch.undo()
-    resumed = train_head(lm, data, TrainConfig(**base, max_steps=6), checkpoint_dir=tmp_path,
-                         progress=False, log=lambda *_: None)
-    assert resumed.steps == 6
-    a, b = params(straight.head), params(resumed.head)
-    for k in a:
-        np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-7)
+    assert_resumes_to(straight, lm, data, base, tmp_path)
 
 
 def test_draft_vocabulary_keeps_most_frequent_and_eos():

@@ -96,6 +96,10 @@ class Run:
             self.log(f"{name}: rc {code}; " + " | ".join(lines))
         return codes
 
+    def shards(self, prompt_file: Path, split: str) -> list:
+        """The finished shards of one prompt file's split (a stopped process leaves .tmp ones)."""
+        return sorted((self.work / "data" / prompt_file.stem / split).glob("shard-[0-9]*[0-9].npz"))
+
     # -- prompts and data ---------------------------------------------------------------------
     def prompt_file(self, entry: str) -> Path:
         """data/<name>.jsonl, or part k of it (`name#k`) written under the work folder; --quick keeps
@@ -132,7 +136,7 @@ class Run:
         summary = {}
         for f in files:
             for split in ("train", "valid"):
-                shards = sorted((self.work / "data" / f.stem / split).glob("shard-[0-9]*[0-9].npz"))
+                shards = self.shards(f, split)
                 offsets = [np.load(s)["offsets"] for s in shards]
                 summary[f"{f.stem}/{split}"] = {"shards": len(shards), "answers": sum(len(o) - 1 for o in offsets),
                                                 "tokens": int(sum(o[-1] for o in offsets))}
@@ -142,7 +146,7 @@ class Run:
     # -- heads --------------------------------------------------------------------------------
     def train(self, files: list) -> list:
         a = self.args
-        present = [f for f in files if any((self.work / "data" / f.stem / "train").glob("shard-[0-9]*[0-9].npz"))]
+        present = [f for f in files if self.shards(f, "train")]
         if not present:
             self.log("no finished train shards: nothing to train")
             return []
@@ -183,7 +187,7 @@ class Run:
     def evaluate(self, files: list, heads: list) -> None:
         """Every head and the shipped one on the same held-out answers: the natural prompts' (how
         heads are chosen here) and all files' together."""
-        with_valid = [f for f in files if any((self.work / "data" / f.stem / "valid").glob("shard-[0-9]*[0-9].npz"))]
+        with_valid = [f for f in files if self.shards(f, "valid")]
         sets = {"natural": [f for f in with_valid if f.stem.startswith(NATURAL)], "all": with_valid}
         dirs = ",".join([str(SHIPPED)] + [str(self.work / "heads" / h) for h in heads])
         procs = {f"heldout_{k}": self.spawn(f"heldout_{k}", [
