@@ -293,6 +293,7 @@ def test_the_cli_help_states_the_strategy_s_own_defaults():
     assert f"(default: {r.DEFAULT_BEAM_WIDTH})" in helps["beam_width"]
     assert f"(default: {r.DEFAULT_BEAM_LENGTH})" in helps["beam_length"]
     assert f"(default: {r.DEFAULT_DRAFT_CUTOFF:g})" in helps["draft_cutoff"]
+    assert f"(default: {r.DEFAULT_DEEPEN_REACH:g})" in helps["deepen_reach"]
     assert f"(default: {r.DEFAULT_LOOKUP})" in helps["lookup"]
     assert f"(default: {'on' if r.DEFAULT_DRAFT_TRUST else 'off'})" in helps["draft_trust"]
 

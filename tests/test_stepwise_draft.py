@@ -102,7 +102,8 @@ def test_stepwise_drafting_verifies_the_same_trees_as_the_whole_chain(cutoff, lo
     engine = engine_with(lm, oracle_head(lm, PROMPTS, corrupt=0.3))
     cut_short = 0
     for prompt in PROMPTS + [REPEATING]:
-        options = {"beam_length": 5, "draft_cutoff": cutoff, "lookup": lookup, "verify_cost": False}
+        # deepen_reach 0: drafts as deep as the cutoff allows, as the whole chain does
+        options = {"beam_length": 5, "draft_cutoff": cutoff, "lookup": lookup, "verify_cost": False, "deepen_reach": 0.0}
         whole = steps_of(engine, prompt, stepwise_draft=False, **options)
         stepwise = steps_of(engine, prompt, stepwise_draft=True, **options)
         assert stepwise == whole  # same tokens, same drafts verified and accepted at every step
@@ -117,7 +118,7 @@ def test_batched_rows_draft_stepwise_as_deep_as_any_row_needs():
     got = {}
     for stepwise in (False, True):
         rows = {}
-        options = {"beam_length": 5, "draft_cutoff": 0.5, "lookup": 3, "stepwise_draft": stepwise}
+        options = {"beam_length": 5, "draft_cutoff": 0.5, "lookup": 3, "stepwise_draft": stepwise, "deepen_reach": 0.0}
         for e in engine.generate_ids_batch(prompts, "redrafter", GenerationParams(max_tokens=30, options=options)):
             if e.kind == "token":
                 rows.setdefault(e.thread_id, []).append((tuple(e.tokens), e.drafted, e.accepted))
@@ -152,7 +153,7 @@ def test_eager_drafts_verify_the_same_trees_in_one_host_sync_a_step(monkeypatch,
     monkeypatch.setattr(redrafter, "_read", counted)
     monkeypatch.setattr(head_proposer, "read_host", counted)
     monkeypatch.setattr(lookup_proposer, "read_host", counted)
-    options = {"beam_length": 4, "draft_cutoff": 0.3, "lookup": lookup, "verify_cost": False}
+    options = {"beam_length": 4, "draft_cutoff": 0.3, "lookup": lookup, "verify_cost": False, "deepen_reach": 0.0}
     for prompt in PROMPTS + [REPEATING]:
         got = {}
         for eager in (False, True):
@@ -166,3 +167,22 @@ def test_eager_drafts_verify_the_same_trees_in_one_host_sync_a_step(monkeypatch,
         assert len(steps) <= eager_syncs <= len(steps) + 1
         assert lazy_syncs >= eager_syncs
     assert lazy_syncs > eager_syncs  # the repeating prompt's chains: lazy went deeper behind syncs
+
+
+@pytest.mark.parametrize("reach", [0.5, 0.99])
+def test_a_deepen_reach_drafts_deeper_only_behind_a_likely_chain_and_keeps_greedy_output(reach):
+    """--deepen-reach r: a chain is drafted one depth deeper only while the product of its
+    confidences so far is >= r: fewer drafts than the cutoff alone allows, the target's own output."""
+    lm = make_tiny_lm(seed=3, eos_id=96)
+    engine = engine_with(lm, oracle_head(lm, PROMPTS, corrupt=0.3))
+    drafted = {0.0: 0, reach: 0}
+    for prompt in PROMPTS + [REPEATING]:
+        want = [t for e in engine.generate_ids(prompt, "ar", GenerationParams(max_tokens=40))
+                if e.kind == "token" for t in e.tokens]
+        for r in drafted:
+            options = {"beam_length": 5, "draft_cutoff": 0.1, "lookup": 0, "runners_up": 0,
+                       "verify_cost": False, "draft_trust": False, "deepen_reach": r}
+            tokens, steps = steps_of(engine, prompt, **options)
+            assert tokens == want
+            drafted[r] += sum(d for d, _ in steps)
+    assert drafted[reach] < drafted[0.0]

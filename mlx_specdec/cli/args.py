@@ -96,7 +96,7 @@ METHOD_SETTINGS = [
      "was not trained on) stops costing verifies; off = to the head's own probability (default: on)",
      _on_off),
     ("redrafter", "beam_length", "--beam-length",
-     "beam length L, the LLM's token + L-1 drafts (default: 3)", _positive_int),
+     "beam length L, the LLM's token + up to L-1 drafts (default: 5)", _positive_int),
     ("redrafter", "lookup", "--lookup",
      "prompt lookup before the head: where the text so far ends in a 2-4 token sequence seen before "
      "(in the prompt or the answer), draft the N tokens that followed it instead of asking the head; "
@@ -106,6 +106,11 @@ METHOD_SETTINGS = [
      "first, where the verify-cost table says the extra query tokens pay; 0 = off. On the 2-core CPU 2 raise "
      "tokens a forward ~5 %% (1.64 -> 1.72 on unseen chats) at the same speed (default: 2)",
      _nonnegative_int),
+    ("redrafter", "deepen_reach", "--deepen-reach",
+     "greedy chains drafted lazily: one depth deeper only while the chain so far is at least this likely to be "
+     "accepted whole (its calibrated confidences multiplied), since each depth costs the head a vocabulary "
+     "projection and a sync; 0 = as deep as the cutoff allows (default: 0.25)",
+     lambda text, flag: _fraction(text, flag)),
     ("redrafter", "eager_drafts", "--eager-drafts",
      "on = the head drafts every depth in one graph, read with the acceptance in the step's one host "
      "sync; off = each depth only when the cutoff could verify it, behind a sync of its own, and the "

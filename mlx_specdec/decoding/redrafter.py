@@ -60,7 +60,7 @@ from .base import DecodeContext, Step, new_contiguous_cache, prefill_rows
 # forward on both prompt sets). Wider or longer trees accept more per forward but cost more than they
 # accept here.
 DEFAULT_BEAM_WIDTH = 1
-DEFAULT_BEAM_LENGTH = 3
+DEFAULT_BEAM_LENGTH = 5  # up to 4 drafts; most steps verify fewer (the cutoff, the reach, the cost rule)
 DEFAULT_DRAFT_CUTOFF = 0.1  # verify only the drafts the head gives at least this probability
 DEFAULT_DRAFT_TRUST = True  # ... times what it has earned in this answer (drafting/calibration.py)
 # Prompt lookup first (drafting/lookup.py): where the text so far ends in a 2-4 token sequence seen
@@ -73,6 +73,14 @@ DEFAULT_EAGER_DRAFTS = False  # lazy: drafts made and read only as deep as a ste
 # prompts) at the same speed (six A/B runs over two sessions, -2.3 % .. +3.7 %, mean +0.4 %; the
 # card); a machine where a query token costs less (a GPU) gets the tokens cheaper.
 DEFAULT_RUNNERS_UP = 2
+# Stepwise chains: draft one depth deeper only while some head row's chain so far is at least this
+# likely to be accepted whole (the product of its calibrated confidences). The cutoff and the
+# verify-cost rule judge what a draft costs to verify; this judges what it costs to make: a
+# vocabulary projection and a sync, ~3 ms on the 2-core CPU, against ~19 ms a token is worth there
+# (a ~37 ms step / ~1.95 tokens) times the ~55 % a reached draft is right: reach * 0.55 * 19 > 3
+# -> reach > ~0.3. Measured (benchmarks/results/issue18_stop41.md): 0.25-0.35 best at L = 5, 0.15
+# drafts deeper and is slower; 0 = off (L = 5 then runs 7 % slower than L = 3).
+DEFAULT_DEEPEN_REACH = 0.25
 DEFAULT_VERIFY_COST = True  # verify the depth worth its cost at this context (drafting/verify_cost.py)
 PHASES = ("draft_s", "pack_s", "verify_s", "accept_s", "sync_s")
 
@@ -117,6 +125,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     # Runners-up (greedy, lazy chains): the head's 2nd..(S+1)th choices for the first draft, each a
     # sibling of it in the tree, where the verify-cost table says the extra query tokens pay.
     runners_up = int(ctx.params.options.get("runners_up", DEFAULT_RUNNERS_UP))
+    deepen_reach = float(ctx.params.options.get("deepen_reach", DEFAULT_DEEPEN_REACH))
     proposer = HeadProposer(head, embed, width, length, vocab=int(model.args.vocab_size),
                             temperature=0.0 if greedy else params.temperature, stepwise=stepwise,
                             runners_up=runners_up)
@@ -152,7 +161,8 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
 
         def wanted(so_far: np.ndarray) -> bool:  # (B, 1, k): the head's drafts so far
             judged = trust.calibrated(so_far) if use_trust else so_far
-            return so_far.shape[-1] < lookup_kept or bool((np.all(judged >= cutoff, axis=-1)[:, 0] & head_rows).any())
+            likely = np.all(judged >= cutoff, axis=-1)[:, 0] & (np.prod(judged, axis=-1)[:, 0] >= deepen_reach)
+            return so_far.shape[-1] < lookup_kept or bool((likely & head_rows).any())
 
         deeper, deeper_confidence = proposer.extend(beams, confidence, head_rows, wanted)
         if deeper is beams:
