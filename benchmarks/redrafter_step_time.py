@@ -2,6 +2,7 @@
 
     python benchmarks/redrafter_step_time.py                      # 8 unseen chats, 64 tokens
     python benchmarks/redrafter_step_time.py --prompts benchmarks/prompts.jsonl --limit 16
+    python benchmarks/redrafter_step_time.py --max-tokens 96 --option runners_up_depths=2
 
 Wraps, in the decoding loop's own modules, the verify's graph build (`forward`), the step's
 host syncs (the acceptance read, the head's first draft read where prompt lookup found none, each
@@ -54,7 +55,11 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                    help="a redrafter option over the shipped default, e.g. runners_up_depths=2 (repeatable)")
     args = ap.parse_args()
+    options = {name: float(value) if "." in value else int(value)
+               for name, value in (item.split("=", 1) for item in args.option)}
     totals: dict = {}
     for owner, attribute, name in PARTS:
         timed(owner, attribute, name, totals)
@@ -66,7 +71,7 @@ def main() -> None:
         for text in prompts:
             first = None
             for event in engine.chat([{"role": "user", "content": text}], "redrafter",
-                                     GenerationParams(max_tokens=args.max_tokens)):
+                                     GenerationParams(max_tokens=args.max_tokens, options=options)):
                 if event.tokens and first is None:  # decode starts: count from here
                     first, before = time.perf_counter(), dict(totals)
             decode += time.perf_counter() - first

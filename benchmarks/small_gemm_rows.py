@@ -2,6 +2,7 @@
 1..8 rows of x, with its prefetch of the weights and without, interleaved in one process.
 
     python benchmarks/small_gemm_rows.py [--rows 1,2,3,4,5,6,8] [--repeats 15]
+    python benchmarks/small_gemm_rows.py --pairs [--rows 1,2,3,4,5,6,8]
     python benchmarks/small_gemm_rows.py --values 6000 [--rows 3,6,9,15]
     python benchmarks/small_gemm_rows.py --scores 6000 [--rows 3,9,15,24]
 
@@ -93,6 +94,8 @@ def main():
                         help="time the attention value products after KEYS cached tokens instead")
     parser.add_argument("--scores", type=int, default=0, metavar="KEYS",
                         help="time the attention score products over KEYS cached tokens instead")
+    parser.add_argument("--pairs", action="store_true",
+                        help="compare two weight rows a pass (shipped) with one, instead of the prefetch")
     args = parser.parse_args()
     model = Engine.load("default").lm.model
     row_counts = [int(r) for r in args.rows.split(",")]
@@ -126,8 +129,12 @@ def main():
         nbytes = sum(w.nbytes for w in matrices)
         widest = max(max(w.shape) for w in matrices)
         x = rng.standard_normal((8, widest)).astype(np.float32)
-        variants = {"prefetch (shipped)": build(Path(folder), "prefetch", ()),
-                    "no prefetch": build(Path(folder), "plain", ("-DPREFETCH_MIN_ROWS=99",))}
+        if args.pairs:
+            variants = {"two weight rows a pass (shipped)": build(Path(folder), "pairs", ()),
+                        "one weight row a pass": build(Path(folder), "single", ("-DNT_PAIR_MAX_ROWS=0",))}
+        else:
+            variants = {"prefetch (shipped)": build(Path(folder), "prefetch", ()),
+                        "no prefetch": build(Path(folder), "plain", ("-DPREFETCH_MIN_ROWS=99",))}
         print(f"{len(matrices)} matrices, {nbytes / 1e6:.0f} MB float32; median of {args.repeats}, variants interleaved")
         interleaved_table(variants, row_counts, args.repeats,
                           lambda lib, rows, out: all_products(lib, matrices, x, out, rows), widest)

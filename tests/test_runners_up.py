@@ -98,14 +98,16 @@ def test_greedy_redrafter_with_runners_up_equals_plain_decoding_and_accepts_them
         assert stats.forward_passes < stats_without.forward_passes  # the runners-up saved forwards
 
 
-def test_batched_rows_with_runners_up_each_equal_their_own_plain_decoding():
+@pytest.mark.parametrize("depths", [1, 2])
+def test_batched_rows_with_runners_up_each_equal_their_own_plain_decoding(depths):
     lm = make_tiny_lm(seed=4, eos_id=96)
     prompts = PROMPTS + [[7], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
-    engine = engine_with(lm, second_guess_head(lm, prompts))
+    engine = engine_with(lm, (second_guess_head if depths == 1 else alternating_head)(lm, prompts))
     want = [run(engine, p, "ar", max_tokens=30)[0] for p in prompts]
     rows, accepted = {}, 0
-    params = GenerationParams(max_tokens=30, options={"beam_length": 3, "draft_cutoff": 0.2, "draft_trust": False,
-                                                      "lookup": 0, "verify_cost": False, "runners_up": 2})
+    params = GenerationParams(max_tokens=30, options={"beam_length": 3 + depths, "draft_cutoff": 0.2,
+                                                      "draft_trust": False, "lookup": 0, "verify_cost": False,
+                                                      "runners_up": 2, "runners_up_depths": depths})
     for e in engine.generate_ids_batch(prompts, "redrafter", params):
         if e.kind == "token":
             rows.setdefault(e.thread_id, []).extend(e.tokens)
@@ -113,3 +115,67 @@ def test_batched_rows_with_runners_up_each_equal_their_own_plain_decoding():
             accepted = e.stats.extra.get("runners_up_accepted", 0)
     assert [rows.get(i, []) for i in range(len(prompts))] == want
     assert accepted > 0
+
+
+def test_deeper_runners_up_are_children_of_the_chain_accepted_where_its_own_draft_there_is_not():
+    x0, a, b, c, r1, r2 = 7, 11, 12, 13, 21, 22
+    beams = np.array([[[x0, a, b, c]]], dtype=np.int32)
+    trees = [pack_beams(beams[0], np.zeros((1, 4), dtype=np.int32))]
+    # r1 beside a (depth 1), r2 beside b (depth 2: a child of a)
+    wide, packed = with_runners_up(beams, trees, np.array([[r1, r2]]), np.array([[True, True]]), np.array([1, 2]))
+    tree = packed[0]
+    assert tree.tokens.tolist() == [x0, a, b, c, r1, r2]
+    assert tree.parents.tolist() == [-1, 0, 1, 2, 0, 1]
+    assert tree.depths.tolist() == [0, 1, 2, 3, 1, 2]
+    assert tree.index.tolist() == [[0, 1, 2, 3], [0, 4, 4, 4], [0, 1, 5, 5]]
+    assert wide[0].tolist() == [[x0, a, b, c], [x0, r1, -1, -1], [x0, a, r2, -1]]
+    # The target says a, then r2 (not b), then 40: the depth-2 runner-up carries two drafts.
+    V = 48
+    logits = np.zeros((1, 6, V), dtype=np.float32)
+    for position, target in enumerate([a, r2, 5, 5, 5, 40]):
+        logits[0, position, target] = 1.0
+    beam_logits = mx.take_along_axis(mx.array(logits), mx.array(tree.index.reshape(1, -1))[..., None], axis=1)
+    result = greedy_accept(mx.array(wide), beam_logits.reshape(1, 3, 4, V))
+    assert (int(result.beam[0]), int(result.num_accepted[0]), int(result.next_token[0])) == (2, 2, 40)
+
+
+def alternating_head(lm, prompts):
+    """A head right first at every other greedy bigram and right second at the others (logits 21
+    and 20.5): chains break at their second draft half the time, where a depth-2 runner-up is right."""
+    table = np.random.default_rng(1).normal(size=(97, 97)).astype(np.float32)
+    engine = engine_with(lm, None)
+    for prompt in prompts:
+        seq = prompt + run(engine, prompt, "ar", max_tokens=40)[0]
+        for i, (x, y) in enumerate(zip(seq, seq[1:])):
+            right, wrong = (21.0, 20.5) if i % 2 == 0 else (20.5, 21.0)
+            table[x, y], table[x, (y + 1) % 97] = right, wrong
+    return BigramOracle(lm.model.model.embed_tokens.weight, mx.array(table), 97)
+
+
+def test_runners_up_beside_the_second_draft_keep_greedy_output_and_are_accepted():
+    lm = make_tiny_lm(seed=3, eos_id=96)
+    engine = engine_with(lm, alternating_head(lm, PROMPTS))
+    options = {"beam_length": 4, "draft_cutoff": 0.2, "draft_trust": False, "lookup": 0,
+               "verify_cost": False, "runners_up": 2}
+    deeper = 0
+    for prompt in PROMPTS:
+        want, _ = run(engine, prompt, "ar", max_tokens=40)
+        first_only, stats_first = run(engine, prompt, "redrafter", max_tokens=40, options=options)
+        got, stats = run(engine, prompt, "redrafter", max_tokens=40, options={**options, "runners_up_depths": 2})
+        assert got == want == first_only
+        assert stats_first.extra["runners_up_deeper_accepted"] == 0
+        deeper += stats.extra["runners_up_deeper_accepted"]
+    assert deeper > 0
+
+
+def test_a_wider_beam_s_second_chain_is_a_chain_not_a_runner_up():
+    """With W = 2 (no runners-up), the second beam winning is a chain's acceptance: it counts for the
+    head's trust as such and is not tallied as a runner-up."""
+    lm = make_tiny_lm(seed=3, eos_id=96)
+    engine = engine_with(lm, alternating_head(lm, PROMPTS))
+    for prompt in PROMPTS:
+        want, _ = run(engine, prompt, "ar", max_tokens=40)
+        got, stats = run(engine, prompt, "redrafter", max_tokens=40,
+                         options={"beam_width": 2, "beam_length": 4, "lookup": 0, "runners_up": 2})
+        assert got == want
+        assert stats.extra["runners_up_verified"] == stats.extra["runners_up_accepted"] == 0

@@ -22,7 +22,7 @@ def reference(a, b):
 
 
 @active
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 9, 17, 64])
 @pytest.mark.parametrize("n,k", [(1536, 576), (576, 1536), (1003, 64), (49, 70), (7, 3)])  # 1003 keys x head dim
 def test_products_of_few_rows_equal_a_float64_reference_in_both_weight_layouts(rows, n, k):
     x = mx.random.normal((rows, k), key=mx.random.key(rows))
@@ -54,7 +54,7 @@ def test_many_rows_strides_and_scaling_are_still_right():
 
 
 @active
-@pytest.mark.parametrize("rows", [2, 5, 8, 13, 15])
+@pytest.mark.parametrize("rows", [2, 5, 6, 7, 8, 13, 15])
 @pytest.mark.parametrize("transposed", [True, False])
 @pytest.mark.parametrize("n,k", [(2000, 576), (1003, 64)])  # weights; attention over 1003 keys (8 at once from 4 rows)
 def test_a_row_gets_the_same_bits_alone_or_among_others(transposed, rows, n, k):

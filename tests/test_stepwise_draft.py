@@ -32,7 +32,7 @@ def test_the_chain_one_depth_at_a_time_is_beam_search_s_chain(tau):
     hidden = mx.random.normal((3, 64), key=mx.random.key(1))
     first = mx.array([5, 17, 60])
     want = beam_search(head, embed, hidden, first, 1, 5)
-    start, deeper = compiled_chain(head, embed)
+    start, deeper, _ = compiled_chain(head, embed)
     state, draft, score, confidence = start(hidden, first)
     drafts, confidences = [draft], [confidence]
     for _ in range(3):

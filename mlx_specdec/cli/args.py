@@ -106,6 +106,10 @@ METHOD_SETTINGS = [
      "first, where the verify-cost table says the extra query tokens pay; 0 = off. On the 2-core CPU 2 raise "
      "tokens a forward ~5 %% (1.64 -> 1.72 on unseen chats) at the same speed (default: 2)",
      _nonnegative_int),
+    ("redrafter", "runners_up_depths", "--runners-up-depths",
+     "greedy chains with runners-up: offer them beside the chain's first N drafts, a deeper one where the "
+     "chain is likely to reach it (its gain: the chain's reach times its own probability) (default: 1)",
+     _positive_int),
     ("redrafter", "deepen_reach", "--deepen-reach",
      "greedy chains drafted lazily: one depth deeper only while the chain so far is at least this likely to be "
      "accepted whole (its calibrated confidences multiplied), since each depth costs the head a vocabulary "

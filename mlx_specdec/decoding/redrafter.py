@@ -49,7 +49,8 @@ from ..drafting import HeadProposer, Proposal, select_rows
 from ..drafting.calibration import DraftTrust
 from ..drafting.base import read_host as _read
 from ..drafting.lookup import LookupFirst
-from ..drafting.verify_cost import RateMeter, runners_up_worth, worth_verifying
+from ..drafting.runners_up import choose_runners_up, runner_columns
+from ..drafting.verify_cost import RateMeter, worth_verifying
 from ..errors import UserError
 from ..model.forward import forward
 from .base import DecodeContext, Step, new_contiguous_cache, prefill_rows
@@ -69,10 +70,9 @@ DEFAULT_DRAFT_TRUST = True  # ... times what it has earned in this answer (draft
 DEFAULT_LOOKUP = 4
 DEFAULT_EAGER_DRAFTS = False  # lazy: drafts made and read only as deep as a step can verify
 # Up to 2, where the verify-cost table says they pay: on the 2-core CPU +5 % tokens a forward
-# (1.64 -> 1.72 on unseen chats at 64 tokens, 1.98 -> 2.05 at 256, 1.49 -> 1.58 on the project's
-# prompts) at the same speed (six A/B runs over two sessions, -2.3 % .. +3.7 %, mean +0.4 %; the
-# card); a machine where a query token costs less (a GPU) gets the tokens cheaper.
+# (1.64 -> 1.72 on unseen chats at 64 tokens) at the same speed (six A/B runs, mean +0.4 %; the card).
 DEFAULT_RUNNERS_UP = 2
+DEFAULT_RUNNERS_UP_DEPTHS = 1  # ... beside the chain's first draft only (drafting/runners_up.py)
 # Stepwise chains: draft one depth deeper only while some head row's chain so far is at least this
 # likely to be accepted whole (the product of its calibrated confidences). The cutoff and the
 # verify-cost rule judge what a draft costs to verify; this judges what it costs to make: a
@@ -125,10 +125,11 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     # Runners-up (greedy, lazy chains): the head's 2nd..(S+1)th choices for the first draft, each a
     # sibling of it in the tree, where the verify-cost table says the extra query tokens pay.
     runners_up = int(ctx.params.options.get("runners_up", DEFAULT_RUNNERS_UP))
+    runner_depths = int(ctx.params.options.get("runners_up_depths", DEFAULT_RUNNERS_UP_DEPTHS))
     deepen_reach = float(ctx.params.options.get("deepen_reach", DEFAULT_DEEPEN_REACH))
     proposer = HeadProposer(head, embed, width, length, vocab=int(model.args.vocab_size),
                             temperature=0.0 if greedy else params.temperature, stepwise=stepwise,
-                            runners_up=runners_up)
+                            runners_up=runners_up, runner_depths=runner_depths)
     lookup = LookupFirst(lookup_drafts, vocab=int(model.args.vocab_size)) if lookup_drafts > 0 else None
 
     def own_token(logits: mx.array) -> mx.array:  # (B, V) -> (B,) the target's own choice
@@ -147,7 +148,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     timings = dict.fromkeys(PHASES, 0.0)
     per_position = np.zeros(length - 1, dtype=np.int64)  # row-steps that accepted >= k+1 drafts
     tally = {"steps": 0, "before": 0, "after": 0, "lookup_steps": 0, "lookup_accepted": 0,
-             "runners_up": 0, "runners_up_accepted": 0}
+             "runners_up": 0, "runners_up_accepted": 0, "runners_up_deeper_accepted": 0}
 
     def deepen(drafts: Proposal, beams, owner, confidence, from_lookup):
         """Stepwise chains: the head's rows drafted as deep as the next step can verify, the
@@ -173,21 +174,19 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
 
     def add_runners_up(beams, trees, judged, step_length):
         """The step's chains (B, 1, L) and packings with the head's runners-up worth verifying
-        (its rows only; each adds its calibrated probability, `runners_up_worth`)."""
-        # Host sync: computed with the first draft, already evaluated when the head's drafts were read.
+        (its rows only; drafting/runners_up.py) -> beams, trees, runners verified per row (B,),
+        the depth of each runner-up beam (R,)."""
+        # Host sync: computed with the drafts, already evaluated when the head's drafts were read.
         tokens, confidence = proposer.runners_up_on_host()
-        confidence = np.where((tokens != beams[:, 0, 1:2]) & ~from_lookup[:, None], confidence, 0.0)
-        if use_trust:
-            confidence = trust.calibrated(confidence[:, None])[:, 0]
-        if cost_aware:
-            reach = np.cumprod(judged[:, 0, : step_length - 1], axis=-1)  # the chains' drafts reached
-            count = runners_up_worth(len(trees) + float(reach.sum()), max(len(t.tokens) for t in trees),
-                                     confidence.sum(axis=0), int(lengths.max()), cost_table)
-            verify = (np.arange(confidence.shape[1]) < count)[None] & (confidence > 0)
-        else:
-            verify = confidence >= cutoff
+        calibrate = (lambda c: trust.calibrated(c)) if use_trust else (lambda c: c)
+        tokens, gains, depths = runner_columns(tokens, confidence, beams[:, 0], judged[:, 0], step_length,
+                                               ~from_lookup, calibrate)
+        reach = np.cumprod(judged[:, 0, : step_length - 1], axis=-1)  # the chains' drafts reached
+        order, verify = choose_runners_up(gains, len(trees) + float(reach.sum()), max(len(t.tokens) for t in trees),
+                                          int(lengths.max()), cutoff, cost_table if cost_aware else None)
         tally["runners_up"] += int(verify.sum())
-        return (*with_runners_up(beams, trees, tokens, verify), verify.sum(axis=1))
+        beams, trees = with_runners_up(beams, trees, tokens[:, order], verify, depths[order])
+        return beams, trees, verify.sum(axis=1), depths[order]
 
     def mark(name: str, since: float, *arrays) -> float:
         """Profile mode only: a deliberate extra sync per phase, to attribute time to it."""
@@ -263,8 +262,9 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
             tally["before"] += beams.size
             tally["after"] += sum(len(t.tokens) for t in trees)
             extra = np.zeros(len(rows), dtype=np.int64)  # runners-up verified per row
+            runner_depth = np.zeros(0, dtype=np.int64)  # of beam 1.. (the runners-up)
             if proposer.runners_up and step_length > 1 and not from_lookup.all():
-                beams, trees, extra = add_runners_up(beams, trees, judged, step_length)
+                beams, trees, extra, runner_depth = add_runners_up(beams, trees, judged, step_length)
             n = max(len(t.tokens) for t in trees)
             tokens = np.zeros((len(rows), n), dtype=np.int32)
             for b, tree in enumerate(trees):
@@ -310,10 +310,15 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
                 drafts, next_beams, next_owner, next_confidence, next_from_lookup = lookup.draft(drafts, token)
             mark("sync_s", t0)
 
-            # The chains' drafts: where a runner-up (beam >= 1) was accepted, the first draft was not.
-            on_runner_up = best > 0
+            # The chains' drafts: where a runner-up (the beams after the W chains) at depth k was
+            # accepted, the chain's first k-1 drafts were and its k-th was not.
+            chains = beams.shape[1] - len(runner_depth)
+            on_runner_up = best >= chains
             tally["runners_up_accepted"] += int(on_runner_up.sum())
-            chain_best, chain_accepted = np.where(on_runner_up, 0, best), np.where(on_runner_up, 0, accepted)
+            depth_of_best = np.concatenate([np.zeros(chains, dtype=np.int64), runner_depth])[best]
+            tally["runners_up_deeper_accepted"] += int((on_runner_up & (depth_of_best > 1)).sum())
+            chain_best = np.where(on_runner_up, 0, best)
+            chain_accepted = np.where(on_runner_up, np.minimum(accepted, depth_of_best - 1), accepted)
             # The head's own depths only: a head row padded to a lookup row's length may accept padding.
             trust.update(drafted_beams[..., :length], drafted_confidence[..., : length - 1], chain_best,
                          np.minimum(chain_accepted, length - 1), token, verified=min(step_length, length) - 1,
@@ -392,6 +397,7 @@ def _report(stats, width, length, tally, per_position, timings, profile, trust) 
         if tally["lookup_steps"] else 0.0,
         runners_up_verified=tally["runners_up"],
         runners_up_accepted=tally["runners_up_accepted"],
+        runners_up_deeper_accepted=tally["runners_up_deeper_accepted"],
     )
     if profile:
         stats.extra.update({k: round(v, 4) for k, v in timings.items()})

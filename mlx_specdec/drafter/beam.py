@@ -132,25 +132,28 @@ def _tempered_logprob(logits: mx.array, top: mx.array, tau: float, K: int) -> mx
     return mx.take_along_axis(sharp, top, axis=-1)
 
 
-def compiled_chain(head, embed: Embed, runners_up: int = 0):
+def compiled_chain(head, embed: Embed, runners_up: int = 0, deeper_runners_up: bool = False):
     """The greedy W=1 chain one depth per call, for drafting only as deep as a step can verify
-    (`drafting.head.HeadProposer` stepwise): (first, deeper), each compiled once per head.
+    (`drafting.head.HeadProposer` stepwise): (first, deeper, deeper_alone), each compiled once per head.
 
     first(hidden (B, D), token (B,)) -> state, draft (B,), score, confidence: depth 1 (and, with
     runners_up = S, the head's next S choices there and their confidences, (B, S) each)
-    deeper(state, hidden, draft, score) -> the same one depth further"""
-    key = (id(head), id(embed), "chain", runners_up)
+    deeper(state, hidden, draft, score) -> the same one depth further (with its runners-up where
+    deeper_runners_up); deeper_alone: the same without runners-up, for depths that want none"""
+    key = (id(head), id(embed), "chain", runners_up, deeper_runners_up)
     if key not in _COMPILED:
         def first(hidden, token):
             state = head.initial_state(embed(token))  # (B, E)
             return (state,) + greedy_chain_step(head, state, hidden, mx.zeros(token.shape, dtype=mx.float32),
                                                 runners_up)
 
-        def deeper(state, hidden, draft, score):
-            state = head.next_state(state, embed(draft))
-            return (state,) + greedy_chain_step(head, state, hidden, score)
+        def deeper_with(runners: int):
+            def deeper(state, hidden, draft, score):
+                state = head.next_state(state, embed(draft))
+                return (state,) + greedy_chain_step(head, state, hidden, score, runners)
+            return mx.compile(deeper)
 
-        _COMPILED[key] = (mx.compile(first), mx.compile(deeper))
+        _COMPILED[key] = (mx.compile(first), deeper_with(runners_up if deeper_runners_up else 0), deeper_with(0))
     return _COMPILED[key]
 
 
@@ -217,30 +220,37 @@ def pack_beams(beams: np.ndarray, owner: np.ndarray) -> PackedTree:
                       np.array(depths, dtype=np.int32), index)
 
 
-def with_runners_up(beams: np.ndarray, trees: list, runners: np.ndarray, verify: np.ndarray):
-    """Siblings of the chain's first draft, verified beside it in the same forward.
+def with_runners_up(beams: np.ndarray, trees: list, runners: np.ndarray, verify: np.ndarray,
+                    depths: np.ndarray | None = None):
+    """Siblings of the chain's drafts, verified beside it in the same forward.
 
-    beams (B, 1, L): one chain a row; trees: their `pack_beams`; runners (B, S): the head's next
-    choices at depth 1; verify (B, S) bool: which of them to verify. -> beams (B, 1+S, L) and trees
-    where beam s >= 1 is [root, runner s, -1, ...]: a child of the root (-1 never equals a target
-    token, so it is accepted one deep at most, and only where the chain's first draft is not); a
-    runner not verified has no tree token (its beam points at the root and never matches)."""
+    beams (B, 1, L): one chain a row; trees: their `pack_beams`; runners (B, R): the head's next
+    choices at the depths (R,) given (default: all at depth 1), each k <= L - 1; verify (B, R)
+    bool: which of them to verify. -> beams (B, 1+R, L) and trees where beam r >= 1 is the chain's
+    first k tokens, then runner r, then -1 (which never equals a target token): a child of the
+    chain's depth k-1 token, so it is accepted k deep at most, and only where the chain's own
+    k-th draft is not. A runner not verified has no tree token (its beam points at the root and
+    never matches)."""
     B, _, L = beams.shape
-    S = runners.shape[1]
-    out = np.full((B, 1 + S, L), -1, dtype=beams.dtype)
+    R = runners.shape[1]
+    depths = np.ones(R, dtype=np.int64) if depths is None else np.asarray(depths)
+    out = np.full((B, 1 + R, L), -1, dtype=beams.dtype)
     out[:, 0] = beams[:, 0]
     out[:, 1:, 0] = beams[:, :1, 0]
     packed = []
     for b, tree in enumerate(trees):
-        tokens, parents, depths = list(tree.tokens), list(tree.parents), list(tree.depths)
-        index = np.zeros((1 + S, L), dtype=np.int32)
+        tokens, parents, tree_depths = list(tree.tokens), list(tree.parents), list(tree.depths)
+        index = np.zeros((1 + R, L), dtype=np.int32)
         index[0] = tree.index[0]
-        for s in np.flatnonzero(verify[b]):
-            out[b, 1 + s, 1] = runners[b, s]
-            index[1 + s, 1:] = len(tokens)
-            tokens.append(runners[b, s])
-            parents.append(0)
-            depths.append(1)
+        for r in np.flatnonzero(verify[b]):
+            k = int(depths[r])
+            out[b, 1 + r, :k] = beams[b, 0, :k]
+            out[b, 1 + r, k] = runners[b, r]
+            index[1 + r, :k] = tree.index[0, :k]
+            index[1 + r, k:] = len(tokens)
+            tokens.append(runners[b, r])
+            parents.append(tree.index[0, k - 1])
+            tree_depths.append(k)
         packed.append(PackedTree(np.array(tokens, dtype=np.int32), np.array(parents, dtype=np.int32),
-                                 np.array(depths, dtype=np.int32), index))
+                                 np.array(tree_depths, dtype=np.int32), index))
     return out, packed

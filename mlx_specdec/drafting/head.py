@@ -26,19 +26,22 @@ from .base import Proposal, read_host
 
 class HeadProposer:
     def __init__(self, head, embed, width: int, length: int, vocab: int, temperature: float = 0.0,
-                 stepwise: bool = False, runners_up: int = 0):
+                 stepwise: bool = False, runners_up: int = 0, runner_depths: int = 1):
         """vocab: the target's vocabulary size (the width of the draft distributions it checks).
         stepwise: greedy single chains only (ignored otherwise): see the module docstring.
-        runners_up: stepwise only, the head's next choices at depth 1 to offer beside the chain
-        (`runners_up_on_host`; `drafter.beam.with_runners_up` verifies them)."""
+        runners_up: stepwise only, the head's next choices at each of the chain's first
+        `runner_depths` drafts to offer beside it (`runners_up_on_host`;
+        `drafter.beam.with_runners_up` verifies them)."""
         self.head, self.embed, self.vocab = head, embed, vocab
         self.width, self.length, self.temperature = width, length, temperature
         self.stepwise = stepwise and temperature <= 0 and width == 1 and length > 2
         self.runners_up = runners_up if self.stepwise else 0
+        self.runner_depths = max(1, runner_depths) if self.runners_up else 0
         self._search = compiled_beam_search(head, embed, width, length) if temperature <= 0 else None
-        self._chain = compiled_chain(head, embed, self.runners_up) if self.stepwise else None
+        self._chain = compiled_chain(head, embed, self.runners_up, self.runner_depths > 1) if self.stepwise else None
         self._pending = None  # stepwise: (state, hidden, draft, score) of the deepest draft made
         self._runners = None  # stepwise with runners_up: (tokens (B, S), confidences (B, S)), lazy
+        self._deeper_runners = []  # the same at depths 2.. as `extend` read them, on the host
 
     def propose(self, token: mx.array, hidden: Optional[mx.array]) -> Proposal:
         """token (B,): the target's own latest token; hidden (B, D): the state that produced it."""
@@ -46,6 +49,7 @@ class HeadProposer:
             state, draft, score, confidence, *runners = self._chain[0](hidden, token)
             self._pending = (state, hidden, draft, score)
             self._runners = runners or None
+            self._deeper_runners = []
             beams = mx.stack([token.astype(mx.int32), draft.astype(mx.int32)], axis=-1)[:, None, :]  # (B, 1, 2)
             return Proposal(beams, mx.zeros(beams.shape, dtype=mx.int32), None, confidence[:, None, None])
         if self._search is not None:
@@ -67,9 +71,14 @@ class HeadProposer:
         head_beams, head_conf = beams[:, :, :2], confidence[:, :, :1]
         state, hidden, draft, score = self._pending
         while head_conf.shape[-1] < self.length - 1 and wanted(head_conf):
-            state, draft, score, step_conf = self._chain[1](state, hidden, draft, score)
-            # Host sync: one depth deeper, only when a draft the step may verify leads to it.
-            token, conf = read_host(draft, step_conf)
+            with_runners = 1 + len(self._deeper_runners) < self.runner_depths
+            chain_step = self._chain[1] if with_runners else self._chain[2]
+            state, draft, score, step_conf, *runners = chain_step(state, hidden, draft, score)
+            # Host sync: one depth deeper, only when a draft the step may verify leads to it
+            # (with its runners-up, computed in the same call).
+            token, conf, *runners = read_host(draft, step_conf, *runners)
+            if runners and with_runners:
+                self._deeper_runners.append((runners[0].astype(np.int32), runners[1]))
             head_beams = np.concatenate([head_beams, token[:, None, None].astype(beams.dtype)], axis=-1)
             head_conf = np.concatenate([head_conf, conf[:, None, None].astype(confidence.dtype)], axis=-1)
         self._pending = (state, hidden, draft, score)
@@ -88,16 +97,21 @@ class HeadProposer:
         return out_beams, out_conf
 
     def runners_up_on_host(self):
-        """The last `propose`'s runners-up at depth 1: tokens (B, S) int32, confidences (B, S).
-        Computed in the same compiled call as the first draft, so reading them costs a sync only."""
+        """The last `propose`'s runners-up at depths 1..D (D <= runner_depths, as deep as `extend`
+        drafted): tokens (B, D, S) int32, confidences (B, D, S). Depth 1's come from the same
+        compiled call as the first draft, so reading them costs a sync only; deeper ones were read
+        with their depth's draft."""
         tokens, confidence = read_host(*self._runners)
-        return tokens.astype(np.int32), confidence
+        deeper = self._deeper_runners
+        return (np.stack([tokens.astype(np.int32)] + [t for t, _ in deeper], axis=1),
+                np.stack([confidence] + [c for _, c in deeper], axis=1))
 
     def select_rows(self, keep: np.ndarray) -> None:
         """Rows leaving the batch: the runners-up follow the proposals (`base.select_rows`)."""
         if self._runners is not None:
             index = mx.array(keep)
             self._runners = [r[index] for r in self._runners]
+            self._deeper_runners = [(t[keep], c[keep]) for t, c in self._deeper_runners]
 
     def _full_vocab(self, draft_probs: mx.array) -> mx.array:
         """(B, W, L-1, K) draft-vocabulary distribution -> (B, W, L-1, V), zero outside it."""

@@ -86,6 +86,52 @@ static void nt_rows_##R(int n0, int n1, int K, float alpha, const float *A, int 
 }
 NT_ROWS(1) NT_ROWS(2) NT_ROWS(3) NT_ROWS(4) NT_ROWS(5) NT_ROWS(6) NT_ROWS(7) NT_ROWS(8)
 
+/* nt_rows two weight rows at a time. An FMA waits for the one before it on the same accumulator
+ * (4-5 cycles), and nt_rows has R accumulators in flight, so from ~4 rows, once the weights are
+ * prefetched, it is bound by that chain at about one FMA a cycle where the CPU can start two: 5 rows
+ * cost 1.25x 4 rows over the default model's matrices (benchmarks/results/small_gemm_pairs.md).
+ * Two weight rows give 2R independent chains, and each row of A loaded feeds two FMAs. 2R + 3
+ * registers of 16: up to 6 rows. Each element is still one accumulator over k in order and the
+ * same sum: the same bits as nt_rows. */
+#ifndef NT_PAIR_MAX_ROWS  /* benchmarks/small_gemm_rows.py builds it with 0 to compare */
+#define NT_PAIR_MAX_ROWS 8
+#endif
+#ifndef NT_PAIR_MIN_ROWS
+#define NT_PAIR_MIN_ROWS 5
+#endif
+#define NT_PAIR(R)                                                                            \
+static void nt_pair_##R(int n0, int n1, int K, float alpha, const float *A, int lda,          \
+                        const float *B, int ldb, float beta, float *C, int ldc) {             \
+    int K8 = K & ~7, n = n0;                                                                  \
+    for (; n + 2 <= n1; n += 2) {                                                             \
+        const float *b0 = B + (size_t)n * ldb, *b1 = b0 + ldb;                                \
+        v8 acc0[R], acc1[R];                                                                  \
+        for (int m = 0; m < R; m++) acc0[m] = acc1[m] = (v8){0};                              \
+        for (int k = 0; k < K8; k += 8) {                                                     \
+            if (R >= PREFETCH_MIN_ROWS && !(k & 15)) {                                        \
+                __builtin_prefetch(b0 + k + PREFETCH_AHEAD, 0, PREFETCH_TO_L2);                 \
+                __builtin_prefetch(b1 + k + PREFETCH_AHEAD, 0, PREFETCH_TO_L2);                 \
+            }                                                                                 \
+            v8 bv0 = load8(b0 + k), bv1 = load8(b1 + k);                                      \
+            for (int m = 0; m < R; m++) {                                                     \
+                v8 av = load8(A + (size_t)m * lda + k);                                       \
+                acc0[m] = fma8(bv0, av, acc0[m]);                                             \
+                acc1[m] = fma8(bv1, av, acc1[m]);                                             \
+            }                                                                                 \
+        }                                                                                     \
+        for (int m = 0; m < R; m++) {                                                         \
+            const float *a = A + (size_t)m * lda;                                             \
+            float s0 = sum8(acc0[m]), s1 = sum8(acc1[m]);                                     \
+            for (int k = K8; k < K; k++) { s0 += a[k] * b0[k]; s1 += a[k] * b1[k]; }          \
+            float *c = C + (size_t)m * ldc + n;                                               \
+            c[0] = beta == 0.f ? alpha * s0 : alpha * s0 + beta * c[0];                       \
+            c[1] = beta == 0.f ? alpha * s1 : alpha * s1 + beta * c[1];                       \
+        }                                                                                     \
+    }                                                                                         \
+    if (n < n1) nt_rows_##R(n, n1, K, alpha, A, lda, B, ldb, beta, C, ldc);                   \
+}
+NT_PAIR(1) NT_PAIR(2) NT_PAIR(3) NT_PAIR(4) NT_PAIR(5) NT_PAIR(6) NT_PAIR(7) NT_PAIR(8)
+
 /* Attention's scores in a verify (x @ K.T with K = head dim 64, 4-8 rows a group: the query heads of
  * a KV head times the tokens verified). A key row is short, so the dot products' horizontal sums,
  * not the loads, bound nt_rows: 8 dot products of 64 and ~6 adds and shuffles to sum each. Here a
@@ -199,6 +245,8 @@ NN_ROWS(1) NN_ROWS(2) NN_ROWS(3) NN_ROWS(4) NN_ROWS(5) NN_ROWS(6) NN_ROWS(7) NN_
 typedef void (*rows_fn)(int, int, int, float, const float *, int, const float *, int, float, float *, int);
 static const rows_fn NT[MAX_ROWS + 1] = {0, nt_rows_1, nt_rows_2, nt_rows_3, nt_rows_4,
                                          nt_rows_5, nt_rows_6, nt_rows_7, nt_rows_8};
+static const rows_fn NT_PAIRED[MAX_ROWS + 1] = {0, nt_pair_1, nt_pair_2, nt_pair_3, nt_pair_4,
+                                                nt_pair_5, nt_pair_6, nt_pair_7, nt_pair_8};
 static const rows_fn NN[MAX_ROWS + 1] = {0, nn_rows_1, nn_rows_2, nn_rows_3, nn_rows_4,
                                          nn_rows_5, nn_rows_6, nn_rows_7, nn_rows_8};
 
@@ -223,7 +271,8 @@ void small_gemm(int b_transposed, int M, int N, int K, float alpha, const float 
             if (NT8_ENABLED && b_transposed && rows >= NT8_MIN_ROWS && K <= NT8_MAX_K && K % 8 == 0)
                 nt8_rows(rows, n0, n1, K, alpha, A + (size_t)m0 * lda, lda, B, ldb, beta, C + (size_t)m0 * ldc, ldc);
             else
-                kernels[rows](n0, n1, K, alpha, A + (size_t)m0 * lda, lda, B, ldb, beta, C + (size_t)m0 * ldc, ldc);
+                (b_transposed && rows >= NT_PAIR_MIN_ROWS && rows <= NT_PAIR_MAX_ROWS ? NT_PAIRED : kernels)[rows](
+                    n0, n1, K, alpha, A + (size_t)m0 * lda, lda, B, ldb, beta, C + (size_t)m0 * ldc, ldc);
         }
     }
 }
