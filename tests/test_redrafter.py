@@ -177,7 +177,7 @@ def run_batch(engine, prompts, **params):
 
 
 def test_kept_length_is_the_deepest_leading_run_at_or_above_the_cutoff():
-    from mlx_specdec.decoding.redrafter import kept_length
+    from mlx_specdec.drafting.verify_cost import kept_length
 
     confidence = np.array([[[0.9, 0.2, 0.8], [0.6, 0.7, 0.1]], [[0.1, 0.9, 0.9], [0.95, 0.5, 0.5]]])  # (B, W, L-1)
     assert kept_length(confidence, 0.0) == 4  # every draft
@@ -313,7 +313,7 @@ def _second_token_after_a_cut(confidence_of, trials=4000, cutoff=0.2):
     clears the cutoff, otherwise the token after the target's own comes from p = (0.5, 0.5).
     Returns how often that token is 1 (exactness: 0.5)."""
     from mlx_specdec.acceptance import sampling_accept
-    from mlx_specdec.decoding.redrafter import kept_length
+    from mlx_specdec.drafting.verify_cost import kept_length
 
     q, p = np.array([0.9, 0.1], dtype=np.float32), np.array([0.5, 0.5], dtype=np.float32)
     rng = np.random.default_rng(0)

@@ -115,6 +115,10 @@ METHOD_SETTINGS = [
      "accepted whole (its calibrated confidences multiplied), since each depth costs the head a vocabulary "
      "projection and a sync; 0 = as deep as the cutoff allows (default: 0.25)",
      lambda text, flag: _fraction(text, flag)),
+    ("redrafter", "prompt_draft", "--prompt-draft",
+     "on = the head drafts the answer's first tokens from the prompt (the hidden state before its last "
+     "token), so the first forward verifies drafts as every later one does; off = the first token alone, "
+     "then drafts (default: off)", _on_off),
     ("redrafter", "eager_drafts", "--eager-drafts",
      "on = the head drafts every depth in one graph, read with the acceptance in the step's one host "
      "sync; off = each depth only when the cutoff could verify it, behind a sync of its own, and the "

@@ -157,25 +157,29 @@ def prefill(ctx: DecodeContext, cache, tokens: Sequence[int]) -> None:
     ctx.prefill_done_at = time.perf_counter()
 
 
-def prefill_rows(ctx: DecodeContext, cache, rows: Sequence[Sequence[int]]) -> np.ndarray:
+def prefill_rows(ctx: DecodeContext, cache, rows: Sequence[Sequence[int]], last_hidden: bool = False):
     """Prefill a batch of prompts of different lengths into one cache (right-padded, ragged).
 
     Returns valid (B, P): which of the P cache slots hold each row's tokens. Padding slots hold
     finite garbage (pad queries attend to themselves, so nothing is NaN) that later masks hide.
     One row (or equal lengths) takes the plain path: no explicit mask, exactly as `prefill`.
+    last_hidden (every row non-empty): also each row's hidden state at its last token, (B, D).
     """
     lengths = [len(r) for r in rows]
     width = max(lengths)
+    last = [None] * len(rows)
     if min(lengths) == width:
         if width:
             model = ctx.lm.model
             chunk = max(1, ctx.params.prefill_chunk)
             tokens = mx.array([list(r) for r in rows])
             for start in range(0, width, chunk):
-                forward(model, tokens[:, start : start + chunk], cache, logits_for="none")
+                out = forward(model, tokens[:, start : start + chunk], cache, logits_for="none")
                 mx.eval(cache.state)  # deliberate sync per chunk (see `prefill`)
+            last = list(out.hidden[:, -1])
         ctx.prefill_done_at = time.perf_counter()
-        return np.ones((len(rows), width), dtype=bool)
+        valid = np.ones((len(rows), width), dtype=bool)
+        return (valid, mx.stack(last)) if last_hidden else valid
     valid = np.zeros((len(rows), width), dtype=bool)
     tokens = np.zeros((len(rows), width), dtype=np.int32)
     for b, r in enumerate(rows):
@@ -186,11 +190,14 @@ def prefill_rows(ctx: DecodeContext, cache, rows: Sequence[Sequence[int]]) -> np
     for start in range(0, width, chunk):
         end = min(width, start + chunk)
         mask = masks.padded_causal_mask(valid, start, end)  # (B, 1, c, end): pads see themselves
-        forward(ctx.lm.model, mx.array(tokens[:, start:end]), cache,
-                positions=mx.array(positions[:, start:end]), mask=mask, logits_for="none")
+        out = forward(ctx.lm.model, mx.array(tokens[:, start:end]), cache,
+                      positions=mx.array(positions[:, start:end]), mask=mask, logits_for="none")
         mx.eval(cache.state)  # deliberate sync per chunk (see `prefill`)
+        for row, length in enumerate(lengths):
+            if start < length <= end:
+                last[row] = out.hidden[row, length - 1 - start]
     ctx.prefill_done_at = time.perf_counter()
-    return valid
+    return (valid, mx.stack(last)) if last_hidden else valid
 
 
 def new_contiguous_cache(ctx: DecodeContext) -> ContiguousKVCache:
@@ -348,3 +355,13 @@ def stream_events(
     stats.decode_s = (last_token_at - first_token_at) if first_token_at else 0.0
     stats.peak_memory_mb = peak_memory_mb()
     yield Event("done", elapsed_s=end - start, stats=stats)
+
+
+def drop_finished_rows(rows: List[int], new_tokens, emitted, eos, max_tokens, stopped_rows):
+    """Rows that hit EOS or max_tokens, or whose request ended (a stop string, its own max_tokens,
+    a client gone: `stopped_rows`), leave the batch: (live rows, their indices or None)."""
+    keep = [b for b, tokens in enumerate(new_tokens)
+            if emitted[b] < max_tokens and not any(t in eos for t in tokens) and rows[b] not in stopped_rows]
+    if len(keep) == len(rows):
+        return rows, None
+    return [rows[b] for b in keep], np.array(keep)

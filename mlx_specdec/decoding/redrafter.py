@@ -37,7 +37,7 @@ tokens leaves holes, hidden from later queries by a per-row `valid` mask. One ro
 from __future__ import annotations
 
 import time
-from typing import Iterator, List
+from typing import Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -50,10 +50,10 @@ from ..drafting.calibration import DraftTrust
 from ..drafting.base import read_host as _read
 from ..drafting.lookup import LookupFirst
 from ..drafting.runners_up import choose_runners_up, runner_columns
-from ..drafting.verify_cost import RateMeter, worth_verifying
+from ..drafting.verify_cost import RateMeter, kept_length, worth_verifying
 from ..errors import UserError
 from ..model.forward import forward
-from .base import DecodeContext, Step, new_contiguous_cache, prefill_rows
+from .base import DecodeContext, Step, drop_finished_rows, new_contiguous_cache, prefill_rows
 
 # The best measured configuration on this CPU with the shipped head (benchmarks/results/
 # issue18_redrafter_defaults.md, issue18_stop40.md): one chain of 2 drafts, each verified only where
@@ -81,6 +81,7 @@ DEFAULT_RUNNERS_UP_DEPTHS = 1  # ... beside the chain's first draft only (drafti
 # -> reach > ~0.3. Measured (benchmarks/results/issue18_stop41.md): 0.25-0.35 best at L = 5, 0.15
 # drafts deeper and is slower; 0 = off (L = 5 then runs 7 % slower than L = 3).
 DEFAULT_DEEPEN_REACH = 0.25
+DEFAULT_PROMPT_DRAFT = False
 DEFAULT_VERIFY_COST = True  # verify the depth worth its cost at this context (drafting/verify_cost.py)
 PHASES = ("draft_s", "pack_s", "verify_s", "accept_s", "sync_s")
 
@@ -127,6 +128,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     runners_up = int(ctx.params.options.get("runners_up", DEFAULT_RUNNERS_UP))
     runner_depths = int(ctx.params.options.get("runners_up_depths", DEFAULT_RUNNERS_UP_DEPTHS))
     deepen_reach = float(ctx.params.options.get("deepen_reach", DEFAULT_DEEPEN_REACH))
+    prompt_draft = bool(ctx.params.options.get("prompt_draft", DEFAULT_PROMPT_DRAFT))
     proposer = HeadProposer(head, embed, width, length, vocab=int(model.args.vocab_size),
                             temperature=0.0 if greedy else params.temperature, stepwise=stepwise,
                             runners_up=runners_up, runner_depths=runner_depths)
@@ -197,39 +199,45 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
         timings[name] += now - since
         return now
 
-    # -- prefill and the target's first token, per row ------------------------------------------
+    # -- prefill, and the target's first token (or the first step) ------------------------------
     prompts = ctx.prompts or [ctx.prompt]
-    rows = list(range(len(prompts)))  # live rows' thread ids
+    rows, keep = list(range(len(prompts))), None  # live rows' thread ids
     cache = new_contiguous_cache(ctx)
-    valid = prefill_rows(ctx, cache, [p[:-1] for p in prompts])  # (B, P)
+    # --prompt-draft: the last prompt token is the step's own token and the hidden state before it
+    # drafts, so the first forward verifies drafts too (needs two prompt tokens in every row).
+    from_prompt = prompt_draft and min(len(p) for p in prompts) >= 2
+    valid, hidden = prefill_rows(ctx, cache, [p[:-1] for p in prompts], last_hidden=True) if from_prompt else \
+        (prefill_rows(ctx, cache, [p[:-1] for p in prompts]), None)  # (B, P), (B, D)
     lengths = np.array([len(p) - 1 for p in prompts])  # committed tokens per row
-    last = mx.array([[p[-1]] for p in prompts])  # (B, 1)
-    out = forward(model, last, cache, positions=masks.ragged_tree_positions(lengths, [[-1]] * len(rows), 1),
-                  mask=masks.ragged_tree_mask(valid, [[-1]] * len(rows), 1))
-    valid = np.concatenate([valid, np.ones((len(rows), 1), dtype=bool)], axis=1)
-    lengths += 1
-    token = own_token(out.logits[:, -1])
-    # Host sync: the first tokens alone, yielded before any drafting. TTFT ends here, as for every
-    # method (prefill + the forward of the last prompt token); the first draft is decoding time.
-    first = _read(token)[0]
-    stats.forward_passes += 1
     emitted = np.zeros(len(rows), dtype=np.int64)
+    own = np.array([p[-1] for p in prompts])  # the target's own latest token per row, on the host
+    token = mx.array(own)
+    if not from_prompt:
+        out = forward(model, token[:, None], cache, positions=masks.ragged_tree_positions(lengths, [[-1]] * len(rows), 1),
+                      mask=masks.ragged_tree_mask(valid, [[-1]] * len(rows), 1))
+        valid = np.concatenate([valid, np.ones((len(rows), 1), dtype=bool)], axis=1)
+        lengths += 1
+        token, hidden = own_token(out.logits[:, -1]), out.hidden[:, -1]
+        # Host sync: the first tokens alone, yielded before any drafting. TTFT ends here, as for every
+        # method (prefill + the forward of the last prompt token); the first draft is decoding time.
+        own = _read(token)[0]
+        stats.forward_passes += 1
+        for b in rows:
+            yield Step([int(own[b])], thread_id=b)
+        emitted += 1
+        rows, keep = drop_finished_rows(rows, [[int(t)] for t in own], emitted, eos, params.max_tokens, ctx.stopped_rows)
     committed = cache.offset
-    for b in rows:
-        yield Step([int(first[b])], thread_id=b)
-    emitted += 1
-    rows, keep = _drop_finished(rows, [[int(t)] for t in first], emitted, eos, params.max_tokens, ctx.stopped_rows)
     trust = DraftTrust(len(prompts))  # in the head's confidence
     lookup_trust = DraftTrust(len(prompts))  # in the lookup's measured acceptance
     from_lookup = np.zeros(len(prompts), dtype=bool)  # per prompt, as `keep` indexes them
     if lookup is not None:
-        lookup.begin(prompts)
-    if rows:  # the first draft, from the prompt's last hidden state and the first tokens
-        drafts = proposer.propose(token, out.hidden[:, -1])
+        lookup.begin([p[:-1] for p in prompts] if from_prompt else prompts)  # the text before `own`
+    if rows:  # the first draft, from the hidden state that produced the own tokens
+        drafts = proposer.propose(token, hidden)
         if lookup is None:
             beams, owner, confidence = _read(drafts.beams, drafts.owner, drafts.confidence)  # host sync: the first drafts
         else:
-            drafts, beams, owner, confidence, from_lookup = lookup.draft(drafts, first)
+            drafts, beams, owner, confidence, from_lookup = lookup.draft(drafts, own)
         drafts, beams, owner, confidence = deepen(drafts, beams, owner, confidence, from_lookup)
     try:
         while rows:
@@ -354,29 +362,10 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
             for b, thread in enumerate(rows):
                 yield Step(new_tokens[b], thread_id=thread, drafted=step_length - 1 + int(extra[b]),
                            accepted=int(accepted[b]))
-            rows, keep = _drop_finished(rows, new_tokens, emitted, eos, params.max_tokens, ctx.stopped_rows)
+            rows, keep = drop_finished_rows(rows, new_tokens, emitted, eos, params.max_tokens, ctx.stopped_rows)
     finally:
         if cache.offset > committed:  # stopped mid-step: drop the unverified tree
             cache.rollback_to(committed)
-
-
-def kept_length(confidence: np.ndarray, cutoff: float) -> int:
-    """confidence (B, W, L-1): the head's probability of each drafted token. The beam length a
-    step verifies: 1 + the deepest run of leading drafts at or above the cutoff in any beam."""
-    if cutoff <= 0.0:
-        return confidence.shape[-1] + 1
-    leading = np.cumprod(confidence >= cutoff, axis=-1).sum(axis=-1)  # (B, W) drafts kept per beam
-    return int(leading.max()) + 1
-
-
-def _drop_finished(rows: List[int], new_tokens, emitted, eos, max_tokens, stopped_rows):
-    """Rows that hit EOS or max_tokens, or whose request ended (a stop string, its own max_tokens,
-    a client gone: `stopped_rows`), leave the batch: (live rows, their indices or None)."""
-    keep = [b for b, tokens in enumerate(new_tokens)
-            if emitted[b] < max_tokens and not any(t in eos for t in tokens) and rows[b] not in stopped_rows]
-    if len(keep) == len(rows):
-        return rows, None
-    return [rows[b] for b in keep], np.array(keep)
 
 
 def _report(stats, width, length, tally, per_position, timings, profile, trust) -> None:

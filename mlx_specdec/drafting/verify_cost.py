@@ -74,6 +74,15 @@ def _cost(per_t: np.ndarray, tokens: int) -> float:
     return float(per_t[-1] + (tokens - len(per_t)) * (per_t[-1] - per_t[-2]))
 
 
+def kept_length(confidence: np.ndarray, cutoff: float) -> int:
+    """confidence (B, W, L-1): the head's probability of each drafted token. The beam length a
+    step verifies: 1 + the deepest run of leading drafts at or above the cutoff in any beam."""
+    if cutoff <= 0.0:
+        return confidence.shape[-1] + 1
+    leading = np.cumprod(confidence >= cutoff, axis=-1).sum(axis=-1)  # (B, W) drafts kept per beam
+    return int(leading.max()) + 1
+
+
 def worth_verifying(probs: np.ndarray, owner: np.ndarray, kept: int, context: int,
                     rate: float | None = None, table: Optional[CostTable] = None) -> int:
     """probs (B, W, L-1): calibrated draft probabilities; owner (B, W, L): `dedup_prefix`'s first
