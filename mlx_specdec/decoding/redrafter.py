@@ -27,7 +27,8 @@ reads its first draft there and each deeper one in a sync of its own, made only 
 would keep the chain that deep (`HeadProposer` stepwise: the same trees, fewer projections).
 Before the first step the first tokens are read on their own and yielded, then the first draft
 is built and read: like every method, ReDrafter's TTFT is prefill + the first token's forward,
-and all drafting is decoding time.
+and all drafting is decoding time. (`--prompt-draft on` drafts from the prompt instead, so the
+first forward is a step: one forward fewer, a later first token; no faster end to end here.)
 
 A batch of prompts runs as rows of one cache. Rows accept different numbers of tokens, so the
 cache is ragged: every row is packed from the same physical offset and a row that kept fewer
