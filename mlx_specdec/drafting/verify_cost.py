@@ -110,13 +110,14 @@ def worth_verifying(probs: np.ndarray, owner: np.ndarray, kept: int, context: in
 
 def runners_up_worth(expected: float, tokens: int, probs: np.ndarray, context: int,
                      table: Optional[CostTable] = None) -> int:
-    """How many of the head's runners-up at depth 1 to verify beside the step's chains.
+    """How many of the head's runners-up to verify beside the step's chains.
 
     expected: the tokens the step's chains are expected to give (summed over rows), from a
-    `tokens`-token verify; probs (S,): the runners-up's calibrated probabilities (summed over
-    rows), likeliest first. A runner-up is right exactly when its chain's first draft is not, so
-    k of them add probs[:k].sum() tokens for k more query tokens. -> the k in 0..S with the most
-    expected tokens per unit of verify cost (as `worth_verifying` chooses a depth)."""
+    `tokens`-token verify; probs (S,): what each runner-up adds, likeliest first (summed over
+    rows): at depth 1 its calibrated probability, since it is right exactly when its chain's first
+    draft is not; deeper, that times the chain's reach (drafting/runners_up.py). k of them add
+    probs[:k].sum() tokens for k more query tokens. -> the k in 0..S with the most expected tokens
+    per unit of verify cost (as `worth_verifying` chooses a depth)."""
     per_t = _costs_at(context, table)
     best, best_rate, gain = 0, expected / _cost(per_t, tokens), expected
     for k, p in enumerate(probs, start=1):
