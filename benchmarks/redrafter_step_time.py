@@ -49,17 +49,26 @@ def timed(owner, attribute: str, name: str, totals: dict) -> None:
     setattr(owner, attribute, wrapper)
 
 
+def add_option_argument(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                    help="a redrafter option over the shipped default, e.g. runners_up_depths=2 (repeatable)")
+
+
+def parsed_options(args) -> dict:
+    """--option NAME=VALUE ... -> {NAME: int or float}."""
+    return {name: float(value) if "." in value else int(value)
+            for name, value in (item.split("=", 1) for item in args.option)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", default="benchmarks/chat_unseen.jsonl")
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
-                    help="a redrafter option over the shipped default, e.g. runners_up_depths=2 (repeatable)")
+    add_option_argument(ap)
     args = ap.parse_args()
-    options = {name: float(value) if "." in value else int(value)
-               for name, value in (item.split("=", 1) for item in args.option)}
+    options = parsed_options(args)
     totals: dict = {}
     for owner, attribute, name in PARTS:
         timed(owner, attribute, name, totals)

@@ -20,6 +20,7 @@ import numpy as np
 
 from mlx_specdec.bench_prompts import load_prompts
 from mlx_specdec.engine import Engine, GenerationParams
+from redrafter_step_time import add_option_argument, parsed_options
 
 REDRAFTER = importlib.import_module("mlx_specdec.decoding.redrafter")  # the module, not the function
 
@@ -29,11 +30,9 @@ def main() -> None:
     ap.add_argument("--prompts", default="benchmarks/chat_unseen.jsonl")
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
-                    help="a redrafter option over the shipped default (repeatable)")
+    add_option_argument(ap)
     args = ap.parse_args()
-    options = {name: float(value) if "." in value else int(value)
-               for name, value in (item.split("=", 1) for item in args.option)}
+    options = parsed_options(args)
     current, times = {}, defaultdict(list)
     forward, read = REDRAFTER.forward, REDRAFTER._read
 

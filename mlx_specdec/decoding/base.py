@@ -176,7 +176,8 @@ def prefill_rows(ctx: DecodeContext, cache, rows: Sequence[Sequence[int]], last_
             for start in range(0, width, chunk):
                 out = forward(model, tokens[:, start : start + chunk], cache, logits_for="none")
                 mx.eval(cache.state)  # deliberate sync per chunk (see `prefill`)
-            last = list(out.hidden[:, -1])
+            if last_hidden:
+                last = list(out.hidden[:, -1])
         ctx.prefill_done_at = time.perf_counter()
         valid = np.ones((len(rows), width), dtype=bool)
         return (valid, mx.stack(last)) if last_hidden else valid
@@ -193,7 +194,7 @@ def prefill_rows(ctx: DecodeContext, cache, rows: Sequence[Sequence[int]], last_
         out = forward(ctx.lm.model, mx.array(tokens[:, start:end]), cache,
                       positions=mx.array(positions[:, start:end]), mask=mask, logits_for="none")
         mx.eval(cache.state)  # deliberate sync per chunk (see `prefill`)
-        for row, length in enumerate(lengths):
+        for row, length in enumerate(lengths if last_hidden else ()):
             if start < length <= end:
                 last[row] = out.hidden[row, length - 1 - start]
     ctx.prefill_done_at = time.perf_counter()
