@@ -179,3 +179,54 @@ def test_a_wider_beam_s_second_chain_is_a_chain_not_a_runner_up():
                          options={"beam_width": 2, "beam_length": 4, "lookup": 0, "runners_up": 2})
         assert got == want
         assert stats.extra["runners_up_verified"] == stats.extra["runners_up_accepted"] == 0
+
+
+def test_chain_drafts_and_runners_up_compete_for_the_verify_s_tokens_likeliest_first():
+    from mlx_specdec.drafting.runners_up import plan_step
+
+    rising = CostTable(np.array([150.0]), np.array([[1.0, 1.02, 1.04, 1.06, 1.08, 1.5]]), "test")
+    reach = np.array([[0.9, 0.6, 0.3, 0.12]])  # the chain's drafts 1..4 reached
+    runners = np.array([[0.08, 0.2, 0.02]])  # depths 1, 1, 2
+    depths = np.array([1, 1, 2])
+    # Four nodes fit before the cost jumps: 0.9, 0.6, 0.3 and the 0.2 runner-up, not the chain's 0.12.
+    step_length, verify = plan_step(reach, runners, depths, 150, rising)
+    assert step_length == 4 and verify.tolist() == [[False, True, False]]
+    # (Chain first: 4 drafts, 2.92 tokens over 1.08, then the runner-up not worth a sixth token at 1.5.)
+    free = CostTable(np.array([150.0]), np.array([[1.0] * 8]), "test")
+    step_length, verify = plan_step(reach, runners, depths, 150, free)  # every node with a gain pays
+    assert step_length == 5 and verify.tolist() == [[True, True, True]]
+    dear = CostTable(np.array([150.0]), np.array([[1.0, 3.0]]), "test")
+    step_length, verify = plan_step(reach, runners, depths, 150, dear)  # a plain step
+    assert step_length == 1 and not verify.any()
+
+
+def test_a_planned_batch_shares_one_forward_and_rows_with_short_chains_keep_their_best_runners_up():
+    from mlx_specdec.drafting.runners_up import plan_step
+
+    table = CostTable(np.array([150.0]), np.array([[1.0, 1.0, 1.0, 1.0, 2.0]]), "test")  # 4 tokens: 3 nodes
+    reach = np.array([[0.9, 0.8, 0.7], [0.5, 0.0, 0.0]])
+    runners = np.array([[0.05, 0.0], [0.3, 0.2]])
+    step_length, verify = plan_step(reach, runners, np.array([1, 1]), 150, table)
+    # row 0 takes its chain's 3 drafts; row 1 its 0.5 draft and both runners-up, but the batch's
+    # chains are 3 deep, which leaves row 1 no room: 4 tokens a row at most
+    assert step_length == 4
+    assert verify.tolist() == [[False, False], [False, False]]
+    table = CostTable(np.array([150.0]), np.array([[1.0, 1.0, 1.0, 1.0, 1.0, 3.0]]), "test")  # 5 tokens
+    step_length, verify = plan_step(reach, runners, np.array([1, 1]), 150, table)
+    # four nodes a row: row 0 adds its 0.05 runner-up, row 1 only its 0.3 one beside a 3-deep chain
+    assert step_length == 4 and verify.tolist() == [[True, False], [True, False]]
+
+
+@pytest.mark.parametrize("depths", [1, 2])
+def test_greedy_redrafter_with_competing_runners_up_equals_plain_decoding(depths):
+    lm = make_tiny_lm(seed=3, eos_id=96)
+    engine = engine_with(lm, (second_guess_head if depths == 1 else alternating_head)(lm, PROMPTS))
+    options = {"beam_length": 4, "draft_cutoff": 0.2, "draft_trust": False, "lookup": 0, "runners_up": 2,
+               "runners_up_depths": depths, "runners_compete": True}
+    verified = 0
+    for prompt in PROMPTS:
+        want, _ = run(engine, prompt, "ar", max_tokens=40)
+        got, stats = run(engine, prompt, "redrafter", max_tokens=40, options=options)
+        assert got == want
+        verified += stats.extra["runners_up_accepted"]
+    assert verified > 0

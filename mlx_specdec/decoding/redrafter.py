@@ -50,7 +50,7 @@ from ..drafting import HeadProposer, Proposal, select_rows
 from ..drafting.calibration import DraftTrust
 from ..drafting.base import read_host as _read
 from ..drafting.lookup import LookupFirst
-from ..drafting.runners_up import choose_runners_up, runner_columns
+from ..drafting.runners_up import choose_runners_up, plan_step, runner_columns
 from ..drafting.verify_cost import RateMeter, kept_length, worth_verifying
 from ..errors import UserError
 from ..model.forward import forward
@@ -74,6 +74,7 @@ DEFAULT_EAGER_DRAFTS = False  # lazy: drafts made and read only as deep as a ste
 # (1.64 -> 1.72 on unseen chats at 64 tokens) at the same speed (six A/B runs, mean +0.4 %; the card).
 DEFAULT_RUNNERS_UP = 2
 DEFAULT_RUNNERS_UP_DEPTHS = 1  # ... beside the chain's first draft only (drafting/runners_up.py)
+DEFAULT_RUNNERS_COMPETE = False  # the chain's depth first, then runners-up (runners_up.plan_step: on)
 # Stepwise chains: draft one depth deeper only while some head row's chain so far is at least this
 # likely to be accepted whole (the product of its calibrated confidences). The cutoff and the
 # verify-cost rule judge what a draft costs to verify; this judges what it costs to make: a
@@ -130,6 +131,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     runner_depths = int(ctx.params.options.get("runners_up_depths", DEFAULT_RUNNERS_UP_DEPTHS))
     deepen_reach = float(ctx.params.options.get("deepen_reach", DEFAULT_DEEPEN_REACH))
     prompt_draft = bool(ctx.params.options.get("prompt_draft", DEFAULT_PROMPT_DRAFT))
+    compete = bool(ctx.params.options.get("runners_compete", DEFAULT_RUNNERS_COMPETE)) and cost_aware and meter is None
     proposer = HeadProposer(head, embed, width, length, vocab=int(model.args.vocab_size),
                             temperature=0.0 if greedy else params.temperature, stepwise=stepwise,
                             runners_up=runners_up, runner_depths=runner_depths)
@@ -175,21 +177,30 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
         return (Proposal(mx.array(deeper), mx.array(owner), None, mx.array(deeper_confidence)),
                 deeper, owner, deeper_confidence)
 
-    def add_runners_up(beams, trees, judged, step_length):
-        """The step's chains (B, 1, L) and packings with the head's runners-up worth verifying
-        (its rows only; drafting/runners_up.py) -> beams, trees, runners verified per row (B,),
-        the depth of each runner-up beam (R,)."""
+    def runner_candidates(chains, judged, depth_limit):
+        """chains (B, L), judged (B, L-1) -> the head's runners-up as `runner_columns` offers them
+        beside drafts 1..depth_limit-1: tokens (B, R), gains (B, R), depths (R,)."""
         # Host sync: computed with the drafts, already evaluated when the head's drafts were read.
         tokens, confidence = proposer.runners_up_on_host()
         calibrate = (lambda c: trust.calibrated(c)) if use_trust else (lambda c: c)
-        tokens, gains, depths = runner_columns(tokens, confidence, beams[:, 0], judged[:, 0], step_length,
-                                               ~from_lookup, calibrate)
-        reach = np.cumprod(judged[:, 0, : step_length - 1], axis=-1)  # the chains' drafts reached
-        order, verify = choose_runners_up(gains, len(trees) + float(reach.sum()), max(len(t.tokens) for t in trees),
-                                          int(lengths.max()), cutoff, cost_table if cost_aware else None)
+        return runner_columns(tokens, confidence, chains, judged, depth_limit, ~from_lookup, calibrate)
+
+    def add_runners_up(beams, trees, judged, step_length, planned=None):
+        """The step's chains (B, 1, L) and packings with the head's runners-up worth verifying
+        (its rows only; drafting/runners_up.py), or those `plan_step` chose (planned: tokens,
+        verify, depths) -> beams, trees, runners verified per row (B,), the depth of each runner-up beam (R,)."""
+        if planned is None:
+            tokens, gains, depths = runner_candidates(beams[:, 0], judged[:, 0], step_length)
+            reach = np.cumprod(judged[:, 0, : step_length - 1], axis=-1)  # the chains' drafts reached
+            order, verify = choose_runners_up(gains, len(trees) + float(reach.sum()),
+                                              max(len(t.tokens) for t in trees), int(lengths.max()), cutoff,
+                                              cost_table if cost_aware else None)
+            tokens, depths = tokens[:, order], depths[order]
+        else:
+            tokens, verify, depths = planned
         tally["runners_up"] += int(verify.sum())
-        beams, trees = with_runners_up(beams, trees, tokens[:, order], verify, depths[order])
-        return beams, trees, verify.sum(axis=1), depths[order]
+        beams, trees = with_runners_up(beams, trees, tokens, verify, depths)
+        return beams, trees, verify.sum(axis=1), depths
 
     def mark(name: str, since: float, *arrays) -> float:
         """Profile mode only: a deliberate extra sync per phase, to attribute time to it."""
@@ -260,7 +271,15 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
             judged = np.where(from_lookup[:, None, None], lookup_trust.calibrated(confidence),
                               trust.calibrated(confidence)) if use_trust else confidence
             step_length = kept_length(judged, cutoff)
-            if cost_aware:  # ... and no deeper than the drafts are worth at this context's verify cost
+            planned = None
+            if compete and proposer.runners_up and step_length > 1 and not from_lookup.all():
+                # ... the chain's drafts and the runners-up beside them, the likeliest first, as many
+                # as are worth this context's verify cost
+                tokens, gains, depths = runner_candidates(beams[:, 0], judged[:, 0], step_length)
+                chain_reach = np.cumprod(judged[:, 0, : step_length - 1], axis=-1)
+                step_length, verify = plan_step(chain_reach, gains, depths, int(lengths.max()), cost_table)
+                planned = (tokens, verify, depths)
+            elif cost_aware:  # ... and no deeper than the drafts are worth at this context's verify cost
                 step_length = worth_verifying(judged, owner, step_length, int(lengths.max()),
                                               rate=meter.rate if meter is not None else None, table=cost_table)
             drafted_beams, drafted_confidence = beams, confidence  # before the cut: judged after the step
@@ -273,7 +292,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
             extra = np.zeros(len(rows), dtype=np.int64)  # runners-up verified per row
             runner_depth = np.zeros(0, dtype=np.int64)  # of beam 1.. (the runners-up)
             if proposer.runners_up and step_length > 1 and not from_lookup.all():
-                beams, trees, extra, runner_depth = add_runners_up(beams, trees, judged, step_length)
+                beams, trees, extra, runner_depth = add_runners_up(beams, trees, judged, step_length, planned)
             n = max(len(t.tokens) for t in trees)
             tokens = np.zeros((len(rows), n), dtype=np.int32)
             for b, tree in enumerate(trees):

@@ -14,7 +14,8 @@ bench answers with head v9: a runner-up rescues a step at depth 1 12.4 % of the 
 
 Columns are offered likeliest gain first; with a verify-cost table the step takes as many as raise
 expected tokens per unit of verify cost (`verify_cost.runners_up_worth`), without one those whose
-gain clears the cutoff. Speed only: gains come from the head's confidences, which do not depend on
+gain clears the cutoff. With `--runners-compete on` the chain's depth is not fixed first: its drafts
+and the runners-up compete for the verify's query tokens (`plan_step`). Speed only: gains come from the head's confidences, which do not depend on
 what the target will say, so greedy output stays the target's.
 """
 
@@ -24,7 +25,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .verify_cost import CostTable, runners_up_worth
+from .verify_cost import CostTable, cost_of, costs_at, runners_up_worth
 
 
 def runner_columns(tokens: np.ndarray, confidence: np.ndarray, chain: np.ndarray, judged: np.ndarray,
@@ -57,3 +58,40 @@ def choose_runners_up(gains: np.ndarray, expected: float, tree_tokens: int, cont
         return order, gains >= cutoff
     count = runners_up_worth(expected, tree_tokens, gains.sum(axis=0), context, table)
     return order, (np.arange(gains.shape[1]) < count)[None] & (gains > 0)
+
+
+def plan_step(chain_reach: np.ndarray, runner_gains: np.ndarray, runner_depths: np.ndarray, context: int,
+              table: CostTable):
+    """The chain's drafts and the runners-up competing for one verify's query tokens.
+
+    chain_reach (B, K): reach(1..K) of each row's chain, as deep as the cutoff keeps it (draft j
+    adds reach(j) expected tokens); runner_gains (B, R) as `runner_columns` gives them, at depths
+    runner_depths (R,). Every node of the tree adds its gain for one query token, and no node gains
+    more than its parent (reach falls with depth; a runner-up is at most as likely as its chain
+    sibling, the head's first choice), so for each size n the n likeliest nodes of a row form a
+    tree, the best one of that size. The step verifies the n whose rows' trees give the most expected
+    tokens per unit of verify cost (B rows share one forward of 1 + n tokens):
+
+        n* = argmax_n (B + sum_b sum of row b's n largest gains) / cost(1 + n)
+
+    -> step_length (1 + the longest chosen chain), verify (B, R): the runners-up chosen, a row's
+    trimmed to its likeliest ones where a longer chain in another row left it less room."""
+    B, K = chain_reach.shape
+    gains = np.concatenate([chain_reach, runner_gains], axis=1)  # (B, K + R)
+    rank = np.argsort(-gains, axis=1, kind="stable")  # ties: the chain (the parent) first
+    best_first = np.take_along_axis(gains, rank, axis=1)
+    expected = B + np.concatenate([[0.0], np.cumsum(best_first.sum(axis=0))])  # (1 + K + R,) by n
+    per_t = costs_at(context, table)
+    rates = [expected[n] / cost_of(per_t, 1 + n) for n in range(len(expected))]
+    n = int(np.argmax(rates))  # the smallest tree among equals
+    chosen = np.zeros_like(gains, dtype=bool)
+    np.put_along_axis(chosen, rank[:, :n], True, axis=1)
+    chosen &= gains > 0
+    step_length = 1 + int(chosen[:, :K].sum(axis=1).max())
+    verify = chosen[:, K:] & (runner_depths[None, :] <= step_length - 1)
+    room = 1 + n - step_length  # runners-up a row may add without widening the forward
+    for b in range(B):
+        picked = np.flatnonzero(verify[b])
+        if len(picked) > room:
+            verify[b, picked[np.argsort(-runner_gains[b, picked], kind="stable")[max(room, 0):]]] = False
+    return step_length, verify

@@ -59,16 +59,16 @@ def shipped_table() -> CostTable:
 def verify_cost(tokens: int, context: int, table: Optional[CostTable] = None) -> float:
     """A `tokens`-token forward after `context` tokens, as a multiple of a one-token forward
     (interpolated in the context; past the table's last T, extended by its last measured step)."""
-    return _cost(_costs_at(context, table), tokens)
+    return cost_of(costs_at(context, table), tokens)
 
 
-def _costs_at(context: int, table: Optional[CostTable] = None) -> np.ndarray:
+def costs_at(context: int, table: Optional[CostTable] = None) -> np.ndarray:
     """(T,) the table's row for T = 1.., interpolated at `context` (held flat outside it)."""
     contexts, costs, _ = table or shipped_table()
     return np.array([np.interp(context, contexts, costs[:, t]) for t in range(costs.shape[1])])
 
 
-def _cost(per_t: np.ndarray, tokens: int) -> float:
+def cost_of(per_t: np.ndarray, tokens: int) -> float:
     if tokens <= len(per_t):
         return float(per_t[tokens - 1])
     return float(per_t[-1] + (tokens - len(per_t)) * (per_t[-1] - per_t[-2]))
@@ -96,13 +96,13 @@ def worth_verifying(probs: np.ndarray, owner: np.ndarray, kept: int, context: in
     reach = np.cumprod(probs[:, :, : kept - 1], axis=-1).max(axis=1)  # (B, kept-1): the likeliest beam to depth j
     new_prefix = owner[:, :, :kept] == np.arange(W)[None, :, None]  # (B, W, kept): a packed token each
     tree_tokens = np.cumsum(new_prefix.sum(axis=1), axis=-1).max(axis=0)  # (kept,) T(k), widest row
-    per_t = _costs_at(context, table)  # once a step: the row for this context
+    per_t = costs_at(context, table)  # once a step: the row for this context
     if rate is not None:
-        return 1 + int(np.argmax([B + reach[:, :k].sum() - rate * B * _cost(per_t, int(tree_tokens[k]))
+        return 1 + int(np.argmax([B + reach[:, :k].sum() - rate * B * cost_of(per_t, int(tree_tokens[k]))
                                   for k in range(kept)]))
-    best, best_rate = 1, B / _cost(per_t, int(tree_tokens[0]))
+    best, best_rate = 1, B / cost_of(per_t, int(tree_tokens[0]))
     for k in range(1, kept):
-        step_rate = (B + reach[:, :k].sum()) / _cost(per_t, int(tree_tokens[k]))
+        step_rate = (B + reach[:, :k].sum()) / cost_of(per_t, int(tree_tokens[k]))
         if step_rate > best_rate:
             best, best_rate = k + 1, step_rate
     return best
@@ -118,11 +118,11 @@ def runners_up_worth(expected: float, tokens: int, probs: np.ndarray, context: i
     draft is not; deeper, that times the chain's reach (drafting/runners_up.py). k of them add
     probs[:k].sum() tokens for k more query tokens. -> the k in 0..S with the most expected tokens
     per unit of verify cost (as `worth_verifying` chooses a depth)."""
-    per_t = _costs_at(context, table)
-    best, best_rate, gain = 0, expected / _cost(per_t, tokens), expected
+    per_t = costs_at(context, table)
+    best, best_rate, gain = 0, expected / cost_of(per_t, tokens), expected
     for k, p in enumerate(probs, start=1):
         gain += float(p)
-        step_rate = gain / _cost(per_t, tokens + k)
+        step_rate = gain / cost_of(per_t, tokens + k)
         if step_rate > best_rate:
             best, best_rate = k, step_rate
     return best
