@@ -65,7 +65,12 @@ def sample_token(logprobs: mx.array, temperature: float, top_p: float = 1.0) -> 
 def greedy_accept(beams: mx.array, beam_logits: mx.array) -> Accepted:
     """beams (..., W, L) with the target's own token at depth 0; beam_logits (..., W, L, V): the
     target's logits after each beam token. Longest accepted run over the beams (per batch row)."""
-    target = mx.argmax(beam_logits, axis=-1)  # (..., W, L)
+    return greedy_accept_targets(beams, mx.argmax(beam_logits, axis=-1))
+
+
+def greedy_accept_targets(beams: mx.array, target: mx.array) -> Accepted:
+    """greedy_accept from the target's own token after each beam token, target (..., W, L): a tree
+    verify takes the argmax once per packed token and unpacks the tokens, not the logits."""
     matches = (beams[..., 1:] == target[..., :-1]).astype(mx.int32)  # (..., W, L-1)
     run = mx.cumprod(matches, axis=-1).sum(axis=-1)  # (..., W) accepted drafts per beam
     beam = mx.argmax(run, axis=-1)  # (...) first beam among the longest: the better-scored one

@@ -44,13 +44,13 @@ import mlx.core as mx
 import numpy as np
 
 from .. import masks
-from ..acceptance import Accepted, greedy_accept, sampling_accept, target_probs
-from ..drafter.beam import pack_beams, with_runners_up
+from ..acceptance import Accepted, greedy_accept_targets, sampling_accept, target_probs
+from ..drafter.beam import pack_beams
 from ..drafting import HeadProposer, Proposal, select_rows
 from ..drafting.calibration import DraftTrust
 from ..drafting.base import read_host as _read
 from ..drafting.lookup import LookupFirst
-from ..drafting.runners_up import choose_runners_up, plan_step, runner_columns
+from ..drafting.runners_up import StepRunnersUp
 from ..drafting.verify_cost import RateMeter, kept_length, worth_verifying
 from ..errors import UserError
 from ..model.forward import forward
@@ -131,7 +131,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     runner_depths = int(ctx.params.options.get("runners_up_depths", DEFAULT_RUNNERS_UP_DEPTHS))
     deepen_reach = float(ctx.params.options.get("deepen_reach", DEFAULT_DEEPEN_REACH))
     prompt_draft = bool(ctx.params.options.get("prompt_draft", DEFAULT_PROMPT_DRAFT))
-    compete = bool(ctx.params.options.get("runners_compete", DEFAULT_RUNNERS_COMPETE)) and cost_aware and meter is None
+    compete = bool(ctx.params.options.get("runners_compete", DEFAULT_RUNNERS_COMPETE)) and meter is None
     proposer = HeadProposer(head, embed, width, length, vocab=int(model.args.vocab_size),
                             temperature=0.0 if greedy else params.temperature, stepwise=stepwise,
                             runners_up=runners_up, runner_depths=runner_depths)
@@ -142,9 +142,14 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
             return mx.argmax(logits, axis=-1)
         return ctx.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))  # as `ar` draws
 
-    def accept(beams: mx.array, beam_logits: mx.array, drafts: Proposal) -> Accepted:
-        if greedy:
-            return greedy_accept(beams, beam_logits)  # batched: (B, W, L)
+    def accept(beams: mx.array, logits: mx.array, index: mx.array, drafts: Proposal) -> Accepted:
+        """beams (B, W, L); logits (B, N, V) at the packed tree's tokens; index (B, W*L) each beam
+        token's packed position."""
+        B, W, L = beams.shape
+        if greedy:  # the argmax once per packed token (a runner-up's beam repeats its chain's prefix)
+            targets = mx.take_along_axis(mx.argmax(logits, axis=-1), index, axis=1)  # (B, W*L)
+            return greedy_accept_targets(beams, targets.reshape(B, W, L))
+        beam_logits = mx.take_along_axis(logits, index[..., None], axis=1).reshape(B, W, L, -1)  # unpacked
         probs = target_probs(beam_logits, params.temperature, params.top_p)  # (B, W, L, V)
         q = drafts.draft_probs  # (B, W, L-1, V)
         rows = [sampling_accept(beams[b], probs[b], q[b]) for b in range(beams.shape[0])]
@@ -176,31 +181,6 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
         owner = np.zeros_like(deeper)  # one chain per row: every prefix its own (dedup_prefix's answer)
         return (Proposal(mx.array(deeper), mx.array(owner), None, mx.array(deeper_confidence)),
                 deeper, owner, deeper_confidence)
-
-    def runner_candidates(chains, judged, depth_limit):
-        """chains (B, L), judged (B, L-1) -> the head's runners-up as `runner_columns` offers them
-        beside drafts 1..depth_limit-1: tokens (B, R), gains (B, R), depths (R,)."""
-        # Host sync: computed with the drafts, already evaluated when the head's drafts were read.
-        tokens, confidence = proposer.runners_up_on_host()
-        calibrate = (lambda c: trust.calibrated(c)) if use_trust else (lambda c: c)
-        return runner_columns(tokens, confidence, chains, judged, depth_limit, ~from_lookup, calibrate)
-
-    def add_runners_up(beams, trees, judged, step_length, planned=None):
-        """The step's chains (B, 1, L) and packings with the head's runners-up worth verifying
-        (its rows only; drafting/runners_up.py), or those `plan_step` chose (planned: tokens,
-        verify, depths) -> beams, trees, runners verified per row (B,), the depth of each runner-up beam (R,)."""
-        if planned is None:
-            tokens, gains, depths = runner_candidates(beams[:, 0], judged[:, 0], step_length)
-            reach = np.cumprod(judged[:, 0, : step_length - 1], axis=-1)  # the chains' drafts reached
-            order, verify = choose_runners_up(gains, len(trees) + float(reach.sum()),
-                                              max(len(t.tokens) for t in trees), int(lengths.max()), cutoff,
-                                              cost_table if cost_aware else None)
-            tokens, depths = tokens[:, order], depths[order]
-        else:
-            tokens, verify, depths = planned
-        tally["runners_up"] += int(verify.sum())
-        beams, trees = with_runners_up(beams, trees, tokens, verify, depths)
-        return beams, trees, verify.sum(axis=1), depths
 
     def mark(name: str, since: float, *arrays) -> float:
         """Profile mode only: a deliberate extra sync per phase, to attribute time to it."""
@@ -240,6 +220,8 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
         rows, keep = drop_finished_rows(rows, [[int(t)] for t in own], emitted, eos, params.max_tokens, ctx.stopped_rows)
     committed = cache.offset
     trust = DraftTrust(len(prompts))  # in the head's confidence
+    runners = StepRunnersUp(proposer, trust.calibrated if use_trust else (lambda c: c), cutoff,
+                            cost_table if cost_aware else None, compete)
     lookup_trust = DraftTrust(len(prompts))  # in the lookup's measured acceptance
     from_lookup = np.zeros(len(prompts), dtype=bool)  # per prompt, as `keep` indexes them
     if lookup is not None:
@@ -271,14 +253,11 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
             judged = np.where(from_lookup[:, None, None], lookup_trust.calibrated(confidence),
                               trust.calibrated(confidence)) if use_trust else confidence
             step_length = kept_length(judged, cutoff)
-            planned = None
-            if compete and proposer.runners_up and step_length > 1 and not from_lookup.all():
+            planned, with_runners = None, proposer.runners_up and step_length > 1 and not from_lookup.all()
+            if with_runners and runners.compete:
                 # ... the chain's drafts and the runners-up beside them, the likeliest first, as many
                 # as are worth this context's verify cost
-                tokens, gains, depths = runner_candidates(beams[:, 0], judged[:, 0], step_length)
-                chain_reach = np.cumprod(judged[:, 0, : step_length - 1], axis=-1)
-                step_length, verify = plan_step(chain_reach, gains, depths, int(lengths.max()), cost_table)
-                planned = (tokens, verify, depths)
+                step_length, planned = runners.plan(beams, judged, step_length, ~from_lookup, int(lengths.max()))
             elif cost_aware:  # ... and no deeper than the drafts are worth at this context's verify cost
                 step_length = worth_verifying(judged, owner, step_length, int(lengths.max()),
                                               rate=meter.rate if meter is not None else None, table=cost_table)
@@ -291,8 +270,9 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
             tally["after"] += sum(len(t.tokens) for t in trees)
             extra = np.zeros(len(rows), dtype=np.int64)  # runners-up verified per row
             runner_depth = np.zeros(0, dtype=np.int64)  # of beam 1.. (the runners-up)
-            if proposer.runners_up and step_length > 1 and not from_lookup.all():
-                beams, trees, extra, runner_depth = add_runners_up(beams, trees, judged, step_length, planned)
+            if with_runners and step_length > 1:
+                beams, trees, extra, runner_depth = runners.add(beams, trees, judged, step_length, ~from_lookup,
+                                                                int(lengths.max()), planned)
             n = max(len(t.tokens) for t in trees)
             tokens = np.zeros((len(rows), n), dtype=np.int32)
             for b, tree in enumerate(trees):
@@ -312,11 +292,9 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
             t0 = mark("pack_s", t0)
 
             out = forward(model, mx.array(tokens), cache, positions=positions, mask=mask)
-            beam_logits = mx.take_along_axis(out.logits, index[..., None], axis=1)  # (B, W*L, V)
-            beam_logits = beam_logits.reshape(len(rows), beams.shape[1], step_length, -1)  # unpacked to beams
-            t0 = mark("verify_s", t0, beam_logits)
+            t0 = mark("verify_s", t0, out.logits)
 
-            result = accept(mx.array(beams), beam_logits, step_drafts)
+            result = accept(mx.array(beams), out.logits, index, step_drafts)
             flat = result.beam * step_length + result.num_accepted  # (B,) last accepted token, beam-major
             last = mx.take_along_axis(index, flat[:, None], axis=1)  # (B, 1) its packed position
             hidden = mx.take_along_axis(out.hidden, last[..., None], axis=1)[:, 0]  # (B, D)
@@ -373,6 +351,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
                     per_position[: accepted[b]] += 1
                 new_tokens.append([int(t) for t in beams[b, best[b], 1 : accepted[b] + 1]] + [int(token[b])])
             emitted += accepted + 1
+            tally["runners_up"] = runners.verified
             _report(stats, width, length, tally, per_position, timings, profile, trust)
             if lookup is not None:
                 from_lookup = next_from_lookup

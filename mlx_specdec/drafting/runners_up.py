@@ -25,6 +25,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from ..drafter.beam import with_runners_up
 from .verify_cost import CostTable, cost_of, costs_at, runners_up_worth
 
 
@@ -95,3 +96,47 @@ def plan_step(chain_reach: np.ndarray, runner_gains: np.ndarray, runner_depths: 
         if len(picked) > room:
             verify[b, picked[np.argsort(-runner_gains[b, picked], kind="stable")[max(room, 0):]]] = False
     return step_length, verify
+
+
+class StepRunnersUp:
+    """A greedy step's runners-up, as `redrafter` uses them: offered beside the head's chains,
+    chosen after the chain's depth (`choose_runners_up`) or competing with its drafts (`plan_step`),
+    and added to the packed trees. proposer: the `HeadProposer` that drafted the chains;
+    calibrate: confidence -> the row's trust times it, any shape."""
+
+    def __init__(self, proposer, calibrate: Callable[[np.ndarray], np.ndarray], cutoff: float,
+                 table: Optional[CostTable], compete: bool):
+        self.proposer, self.calibrate, self.cutoff, self.table = proposer, calibrate, cutoff, table
+        self.compete = compete and table is not None
+        self.verified = 0  # runners-up verified, all steps (reported)
+
+    def candidates(self, chains: np.ndarray, judged: np.ndarray, step_length: int, head_rows: np.ndarray):
+        """chains (B, L), judged (B, L-1) -> `runner_columns`' tokens (B, R), gains (B, R), depths (R,)."""
+        # Host sync: computed with the drafts, already evaluated when the head's drafts were read.
+        tokens, confidence = self.proposer.runners_up_on_host()
+        return runner_columns(tokens, confidence, chains, judged, step_length, head_rows, self.calibrate)
+
+    def plan(self, beams: np.ndarray, judged: np.ndarray, kept: int, head_rows: np.ndarray, context: int):
+        """Competing: beams (B, 1, L) and judged (B, 1, L-1) the step's chains, kept the length the
+        cutoff allows -> the step length and the runners-up chosen with it (for `add`)."""
+        tokens, gains, depths = self.candidates(beams[:, 0], judged[:, 0], kept, head_rows)
+        step_length, verify = plan_step(np.cumprod(judged[:, 0, : kept - 1], axis=-1), gains, depths, context,
+                                        self.table)
+        return step_length, (tokens, verify, depths)
+
+    def add(self, beams: np.ndarray, trees: list, judged: np.ndarray, step_length: int, head_rows: np.ndarray,
+            context: int, planned=None):
+        """The step's chains (B, 1, L) and packings with the runners-up `plan` chose, else those worth
+        verifying beside chains this long -> beams, trees, runners-up verified per row (B,), the
+        depth of each runner-up beam (R,)."""
+        if planned is None:
+            tokens, gains, depths = self.candidates(beams[:, 0], judged[:, 0], step_length, head_rows)
+            reach = np.cumprod(judged[:, 0, : step_length - 1], axis=-1)  # the chains' drafts reached
+            order, verify = choose_runners_up(gains, len(trees) + float(reach.sum()),
+                                              max(len(t.tokens) for t in trees), context, self.cutoff, self.table)
+            tokens, depths = tokens[:, order], depths[order]
+        else:
+            tokens, verify, depths = planned
+        self.verified += int(verify.sum())
+        beams, trees = with_runners_up(beams, trees, tokens, verify, depths)
+        return beams, trees, verify.sum(axis=1), depths
