@@ -72,6 +72,10 @@ def cmd_bench(args) -> int:
     engine = load_engine(args)
     for head in heads[1:]:  # a missing or mismatched head stops the bench before it runs, not midway
         engine.drafter_for(head)
+    costs = engine.verify_costs if "redrafter" in methods else None
+    if costs is not None and costs.source.startswith("shipped"):
+        print("note: redrafter judges its drafts by the verify costs shipped for a 2-core x86 VM; "
+              "`mlx-specdec calibrate` (about a minute) measures this machine's", file=sys.stderr)
     params = GenerationParams(max_tokens=args.max_tokens, temperature=args.temp, seed=args.seed)
     result = run_bench(engine, prompts, configs, params, repeats=args.repeats)
     text = render(result, args.format)

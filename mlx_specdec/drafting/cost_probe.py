@@ -10,16 +10,20 @@ So the table is measured where it is used, once per machine and model, and kept 
         prefill C tokens, then R rounds of: one forward of T = 1..T_max query tokens in one row
         (logits for every token, as a verify needs), the cache trimmed back after each
     ratio[r, T] = time of T tokens / time of 1 token, both in round r
-    cost[C, T]  = the non-decreasing least-squares fit (pool adjacent violators) of median_r ratio[r, T],
-                  with cost[C, 1] = 1
+    cost[C, T]  = 1 + a (T - 1) + b (T - 1)^2, a, b >= 0: the least-squares fit of median_r ratio[r, T]
 
 Each round visits the T values in its own rotated order and each ratio pairs forwards timed
 moments apart, so a slow spell of the machine (on a shared 2-core VM a one-token forward varies
 27-44 ms from one minute to the next) touches a ratio's two sides alike. The fit then removes the
-noise that is left without letting one slow median lift every longer T (a running maximum did: one
-noisy T = 2 at 1.32 made T = 3..5 cost 1.32 too), since a longer verify never costs less. The stored file
-names the machine and the weight layout (model/cpu_layout.py) it was measured with; on another
-machine, or over weights laid out otherwise, it is ignored.
+noise that is left. Why this curve: an extra query token adds its rows' FMAs and attention, so the
+cost rises steadily with T (on the CPU from a few rows on, once the products stop being bound by the
+weights' stream: convex), and ReDrafter's planner weighs each token by what it adds to the cost
+(drafting/runners_up.plan_step). The non-decreasing fit used before (pool adjacent violators) kept
+the noise's flat runs: after 150 tokens T = 5 and 6 both at 1.10, so a sixth token looked free
+where it cost ~1.2 ms of ~25, and the planner filled it with unlikely runners-up. Each context's
+medians are stored beside the fit (`ratios`). The stored file names the machine and the weight
+layout (model/cpu_layout.py) it was measured with; on another machine, or over weights laid out
+otherwise, it is ignored.
 """
 
 from __future__ import annotations
@@ -62,29 +66,31 @@ def measure_table(model, contexts: Sequence[int], max_tokens: int = DEFAULT_TOKE
                 times[r, t - 1] = time.perf_counter() - start
             if progress:
                 progress(max_tokens)
-        rows.append(relative_costs(times))
-    return CostTable(np.array(contexts, dtype=np.float64), np.stack(rows), "measured")
+        rows.append(median_ratios(times))
+    ratios = np.stack(rows)
+    return CostTable(np.array(contexts, dtype=np.float64), np.stack([convex_fit(r) for r in ratios]), "measured",
+                     ratios)
 
 
-def relative_costs(times: np.ndarray) -> np.ndarray:
-    """(rounds, T) forward times -> (T,) costs relative to one token: the monotone fit of the
-    per-round ratios' medians, starting at exactly 1."""
-    ratios = np.median(times / times[:, :1], axis=0)
-    return np.maximum(monotone_fit(ratios), 1.0)
+def median_ratios(times: np.ndarray) -> np.ndarray:
+    """(rounds, T) forward times -> (T,) the median over rounds of each T's time over its round's T = 1."""
+    return np.median(times / times[:, :1], axis=0)
 
 
-def monotone_fit(values: np.ndarray) -> np.ndarray:
-    """The non-decreasing sequence closest to `values` in least squares (pool adjacent violators):
-    each run that falls is replaced by its mean, merging backwards until the sequence rises."""
-    blocks: list = []  # [mean, count] of each pooled run, left to right
-    for v in np.asarray(values, dtype=np.float64):
-        blocks.append([float(v), 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            mean, count = blocks.pop()
-            prev = blocks[-1]
-            prev[0] = (prev[0] * prev[1] + mean * count) / (prev[1] + count)
-            prev[1] += count
-    return np.concatenate([np.full(count, mean) for mean, count in blocks])
+def convex_fit(ratios: np.ndarray) -> np.ndarray:
+    """(T,) measured costs, ratios[0] = 1 -> 1 + a t + b t^2 at t = 0..T-1 with a, b >= 0 closest
+    in least squares (two unknowns: the unconstrained solution, else the better one-term fit)."""
+    t = np.arange(len(ratios), dtype=np.float64)
+    terms, rise = np.stack([t, t * t], axis=1), np.asarray(ratios, dtype=np.float64) - 1.0
+    coef = np.linalg.lstsq(terms, rise, rcond=None)[0]
+    if (coef < 0).any():  # the best fit with a term fixed at 0 (each one-term fit clipped at 0)
+        fits = []
+        for j in range(2):
+            column = terms[:, j]
+            weight = max(0.0, float(column @ rise) / float(column @ column))
+            fits.append(np.where(np.arange(2) == j, weight, 0.0))
+        coef = min(fits, key=lambda c: float(((terms @ c - rise) ** 2).sum()))
+    return 1.0 + terms @ coef
 
 
 def table_path(lm) -> Path:
@@ -99,6 +105,7 @@ def save_table(lm, table: CostTable, rounds: int) -> Path:
     path = table_path(lm)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"contexts": table.contexts.tolist(), "costs": np.round(table.costs, 4).tolist(), "rounds": rounds,
+              "ratios": None if table.ratios is None else np.round(table.ratios, 4).tolist(),
               "model": lm.describe(), "layout": current_layout(lm.model), "machine": machine(), "mlx": mx.__version__,
               "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     tmp = path.with_suffix(".tmp")

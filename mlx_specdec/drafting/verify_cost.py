@@ -50,6 +50,7 @@ class CostTable(NamedTuple):
     contexts: np.ndarray  # (C,) context lengths measured, ascending
     costs: np.ndarray  # (C, T) a 1..T-token forward after each, as a multiple of a one-token one
     source: str  # where it comes from, for reports
+    ratios: Optional[np.ndarray] = None  # (C, T) the measured medians the costs were fitted to, if known
 
 
 def shipped_table() -> CostTable:
@@ -64,7 +65,8 @@ def verify_cost(tokens: int, context: int, table: Optional[CostTable] = None) ->
 
 def costs_at(context: int, table: Optional[CostTable] = None) -> np.ndarray:
     """(T,) the table's row for T = 1.., interpolated at `context` (held flat outside it)."""
-    contexts, costs, _ = table or shipped_table()
+    table = table or shipped_table()
+    contexts, costs = table.contexts, table.costs
     return np.array([np.interp(context, contexts, costs[:, t]) for t in range(costs.shape[1])])
 
 
