@@ -156,7 +156,7 @@ def test_runners_up_beside_the_second_draft_keep_greedy_output_and_are_accepted(
     lm = make_tiny_lm(seed=3, eos_id=96)
     engine = engine_with(lm, alternating_head(lm, PROMPTS))
     options = {"beam_length": 4, "draft_cutoff": 0.2, "draft_trust": False, "lookup": 0,
-               "verify_cost": False, "runners_up": 2}
+               "verify_cost": False, "runners_up": 2, "runners_up_depths": 1}
     deeper = 0
     for prompt in PROMPTS:
         want, _ = run(engine, prompt, "ar", max_tokens=40)

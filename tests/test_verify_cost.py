@@ -14,8 +14,8 @@ def test_verify_cost_is_the_table_at_measured_contexts_interpolated_between_and_
     middle = int((CPU_CONTEXTS[0] + CPU_CONTEXTS[1]) / 2)
     assert verify_cost(2, middle) == pytest.approx((CPU_COST[0, 1] + CPU_COST[1, 1]) / 2)
     assert verify_cost(2, 100_000) == pytest.approx(CPU_COST[-1, 1])  # held flat past the last context
-    step = CPU_COST[0, -1] - CPU_COST[0, -2]
-    assert verify_cost(7, 150) == pytest.approx(CPU_COST[0, -1] + 2 * step)
+    step, width = CPU_COST[0, -1] - CPU_COST[0, -2], CPU_COST.shape[1]
+    assert verify_cost(width + 2, 150) == pytest.approx(CPU_COST[0, -1] + 2 * step)
     for context in (150, 1000, 4000, 6000):  # more tokens never cost less
         costs = [verify_cost(t, context) for t in range(1, 9)]
         assert costs == sorted(costs)

@@ -108,12 +108,12 @@ METHOD_SETTINGS = [
      _nonnegative_int),
     ("redrafter", "runners_up_depths", "--runners-up-depths",
      "greedy chains with runners-up: offer them beside the chain's first N drafts, a deeper one where the "
-     "chain is likely to reach it (its gain: the chain's reach times its own probability) (default: 1)",
+     "chain is likely to reach it (its gain: the chain's reach times its own probability) (default: 2)",
      _positive_int),
     ("redrafter", "runners_compete", "--runners-compete",
      "greedy chains with runners-up and a verify-cost table: on = the chain's deeper drafts and the runners-up "
      "compete for the verify's query tokens, the likeliest nodes first; off = the chain's depth is chosen "
-     "first, then runners-up are added where they pay (default: off)", _on_off),
+     "first, then runners-up are added where they pay (default: on)", _on_off),
     ("redrafter", "deepen_reach", "--deepen-reach",
      "greedy chains drafted lazily: one depth deeper only while the chain so far is at least this likely to be "
      "accepted whole (its calibrated confidences multiplied), since each depth costs the head a vocabulary "

@@ -73,8 +73,12 @@ DEFAULT_EAGER_DRAFTS = False  # lazy: drafts made and read only as deep as a ste
 # Up to 2, where the verify-cost table says they pay: on the 2-core CPU +5 % tokens a forward
 # (1.64 -> 1.72 on unseen chats at 64 tokens) at the same speed (six A/B runs, mean +0.4 %; the card).
 DEFAULT_RUNNERS_UP = 2
-DEFAULT_RUNNERS_UP_DEPTHS = 1  # ... beside the chain's first draft only (drafting/runners_up.py)
-DEFAULT_RUNNERS_COMPETE = False  # the chain's depth first, then runners-up (runners_up.plan_step: on)
+# ... beside the chain's first two drafts, competing with the chain's deeper drafts for the verify's
+# tokens (runners_up.plan_step). With the argmax taken once per packed token (not per beam position),
+# depth 2 runs as fast as depth 1 and accepts more: 8 unseen chats, 96 tokens, 1.513-1.541x against
+# 1.507-1.534x, 2.006 against 1.944 tokens a forward (benchmarks/results/issue18_stop43.md).
+DEFAULT_RUNNERS_UP_DEPTHS = 2
+DEFAULT_RUNNERS_COMPETE = True
 # Stepwise chains: draft one depth deeper only while some head row's chain so far is at least this
 # likely to be accepted whole (the product of its calibrated confidences). The cutoff and the
 # verify-cost rule judge what a draft costs to verify; this judges what it costs to make: a
