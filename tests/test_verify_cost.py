@@ -5,7 +5,16 @@ import numpy as np
 import pytest
 
 from mlx_specdec.drafter.beam import dedup_prefix
-from mlx_specdec.drafting.verify_cost import CPU_CONTEXTS, CPU_COST, verify_cost, worth_verifying
+from mlx_specdec.drafting.verify_cost import CPU_CONTEXTS, CPU_COST, CostTable, verify_cost, worth_verifying
+
+# The rule's cases below are worked out on the table first measured (a 2-core VM before the small-row
+# GEMM, a 5-token verify after 150 tokens at 1.60), whatever table ships now.
+FIRST_VM = CostTable(np.array([150.0, 2000.0, 6000.0]), np.array([
+    [1.0, 1.18, 1.32, 1.47, 1.60], [1.0, 1.27, 1.44, 1.63, 1.78], [1.0, 1.34, 1.59, 1.88, 2.08]]), "test")
+
+
+def worth(*args, **kwargs) -> int:
+    return worth_verifying(*args, table=FIRST_VM, **kwargs)
 
 
 def test_verify_cost_is_the_table_at_measured_contexts_interpolated_between_and_extended_past_it():
@@ -29,23 +38,23 @@ def _chain(probs):
 
 def test_sure_drafts_are_all_verified_and_a_plain_step_is_kept_when_the_cutoff_leaves_none():
     probs, owner = _chain([0.95, 0.95, 0.95, 0.95])
-    assert worth_verifying(probs, owner, kept=5, context=150) == 5
-    assert worth_verifying(probs, owner, kept=5, context=6000) == 5
-    assert worth_verifying(probs, owner, kept=1, context=150) == 1
-    assert worth_verifying(probs, owner, kept=3, context=150) == 3  # never deeper than the cutoff allows
+    assert worth(probs, owner, kept=5, context=150) == 5
+    assert worth(probs, owner, kept=5, context=6000) == 5
+    assert worth(probs, owner, kept=1, context=150) == 1
+    assert worth(probs, owner, kept=3, context=150) == 3  # never deeper than the cutoff allows
 
 
 def test_a_doubtful_draft_worth_verifying_at_chat_length_is_not_worth_it_over_a_long_document():
     # One draft at 0.25: 1.25 expected tokens for 1.18 plain steps at 150 tokens of context (worth
     # it), for 1.34 at 6,000 (not: a plain step's 1 token per step is the better rate).
     probs, owner = _chain([0.25])
-    assert worth_verifying(probs, owner, kept=2, context=150) == 2
-    assert worth_verifying(probs, owner, kept=2, context=6000) == 1
+    assert worth(probs, owner, kept=2, context=150) == 2
+    assert worth(probs, owner, kept=2, context=6000) == 1
 
 
 def test_a_deep_draft_that_is_rarely_reached_is_cut_while_the_likely_first_is_kept():
     probs, owner = _chain([0.6, 0.1, 0.9])  # reach: 0.6, 0.06, 0.054
-    assert worth_verifying(probs, owner, kept=4, context=150) == 2
+    assert worth(probs, owner, kept=4, context=150) == 2
 
 
 def test_the_cost_counts_the_packed_tree_tokens_of_the_widest_row():
@@ -55,8 +64,8 @@ def test_the_cost_counts_the_packed_tree_tokens_of_the_widest_row():
     probs = np.array([[[0.35, 0.5], [0.35, 0.5]]], dtype=np.float32)
     # 1.35 expected tokens for verify_cost(3) = 1.32 at chat length beats 1 token for 1; two drafts
     # deep, 1.525 for 5 tokens (1.60), does not.
-    assert worth_verifying(probs, owner, kept=3, context=150) == 2
-    assert worth_verifying(probs, owner, kept=2, context=6000) == 1  # 1.3 for 1.45: a plain step
+    assert worth(probs, owner, kept=3, context=150) == 2
+    assert worth(probs, owner, kept=2, context=6000) == 1  # 1.3 for 1.45: a plain step
 
 
 def test_redrafter_verifies_nothing_where_every_draft_costs_more_than_it_can_return():
@@ -85,12 +94,12 @@ def test_the_margin_rule_goes_deeper_on_a_sure_step_and_cuts_a_doubtful_draft_th
     # third draft adds 0.243 tokens for 0.15 more cost (T 3 -> 4: 1.32 -> 1.47): worth it by the
     # margin (0.243 > 1.25 * 0.15), not by the step's ratio (2.953 / 1.47 < 2.71 / 1.32).
     probs, owner = _chain([0.9, 0.9, 0.3])
-    assert worth_verifying(probs, owner, kept=4, context=150) == 3
-    assert worth_verifying(probs, owner, kept=4, context=150, rate=1.25) == 4
+    assert worth(probs, owner, kept=4, context=150) == 3
+    assert worth(probs, owner, kept=4, context=150, rate=1.25) == 4
     # One draft at 0.2: the ratio keeps it (1.2 / 1.18 > 1), the margin does not (0.2 < 1.25 * 0.18).
     probs, owner = _chain([0.2])
-    assert worth_verifying(probs, owner, kept=2, context=150) == 2
-    assert worth_verifying(probs, owner, kept=2, context=150, rate=1.25) == 1
+    assert worth(probs, owner, kept=2, context=150) == 2
+    assert worth(probs, owner, kept=2, context=150, rate=1.25) == 1
 
 
 def test_the_rate_meter_is_tokens_over_predicted_cost_from_its_prior():

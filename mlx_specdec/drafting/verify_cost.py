@@ -24,7 +24,8 @@ cutoff is), so greedy output stays the target's and sampling stays exact.
 
 The table is the machine's own when `mlx-specdec calibrate` has measured it there for this model
 (drafting/cost_probe.py; machines differ: a 2-core VM where a 5-token verify cost 1.60 plain steps,
-another where it cost 1.21). Without one, the CPU uses the shipped table below; a GPU (Metal or
+another where it cost 1.21, and one VM from one half hour to the next 1.10-1.28). Without one, the CPU
+uses the shipped table below; a GPU (Metal or
 CUDA), where a few more query tokens cost little, verifies every draft the cutoff keeps.
 """
 
@@ -34,15 +35,17 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-# `python benchmarks/forward_cost.py --one-row --context 150,2000,6000 --tokens 1,2,3,4,5 --repeats 15`
-# (benchmarks/results/issue18_verify_cost.md): the default model in float32 on the 2-core CPU, weights
-# column-major (the layout measured faster there, model/cpu_layout.py), one row of T query tokens after
-# `context` tokens, as a multiple of one token, medians of 15.
+# `mlx-specdec calibrate` three times within 35 minutes on 2026-11-27 on the 2-core AMD EPYC VM (the
+# default model in float32, row-major weights, the small-row GEMM; benchmarks/results/issue18_stop43.md):
+# the elementwise median of the three runs' medians, fitted as `cost_probe.convex_fit` does. One row of T
+# query tokens after `context` tokens, as a multiple of one token. The first table shipped here came from
+# another VM before the small-row GEMM (a 5-token verify after 150 tokens at 1.60, here 1.11): a CPU
+# without its own table verified too little (8 unseen chats: 1.84 tokens a forward against 1.93-2.01).
 CPU_CONTEXTS = np.array([150.0, 2000.0, 6000.0])
-CPU_COST = np.array([  # T = 1 .. 5
-    [1.0, 1.18, 1.32, 1.47, 1.60],  # 150 tokens (T=1: 53.1 ms)
-    [1.0, 1.27, 1.44, 1.63, 1.78],  # 2,000 (67.3 ms)
-    [1.0, 1.34, 1.59, 1.88, 2.08],  # 6,000 (96.2 ms)
+CPU_COST = np.array([  # T = 1 .. 8
+    [1.0, 1.02, 1.04, 1.07, 1.11, 1.15, 1.20, 1.26],  # 150 tokens
+    [1.0, 1.10, 1.20, 1.31, 1.42, 1.53, 1.65, 1.77],  # 2,000
+    [1.0, 1.23, 1.46, 1.69, 1.92, 2.15, 2.38, 2.61],  # 6,000
 ])
 
 
