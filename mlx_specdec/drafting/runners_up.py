@@ -14,9 +14,10 @@ bench answers with head v9: a runner-up rescues a step at depth 1 12.4 % of the 
 
 Columns are offered likeliest gain first; with a verify-cost table the step takes as many as raise
 expected tokens per unit of verify cost (`verify_cost.runners_up_worth`), without one those whose
-gain clears the cutoff. With `--runners-compete on` the chain's depth is not fixed first: its drafts
-and the runners-up compete for the verify's query tokens (`plan_step`). Speed only: gains come from the head's confidences, which do not depend on
-what the target will say, so greedy output stays the target's.
+gain clears the cutoff. With `--runners-compete on` (the default) the chain's depth is not fixed
+first: its drafts and the runners-up compete for the verify's query tokens (`plan_step`). Speed
+only: gains come from the head's confidences, which do not depend on what the target will say, so
+greedy output stays the target's.
 """
 
 from __future__ import annotations
