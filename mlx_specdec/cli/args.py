@@ -96,7 +96,7 @@ METHOD_SETTINGS = [
      "was not trained on) stops costing verifies; off = to the head's own probability (default: on)",
      _on_off),
     ("redrafter", "beam_length", "--beam-length",
-     "beam length L, the LLM's token + up to L-1 drafts (default: 5)", _positive_int),
+     "beam length L, the LLM's token + up to L-1 drafts (default: 6)", _positive_int),
     ("redrafter", "lookup", "--lookup",
      "prompt lookup before the head: where the text so far ends in a 2-4 token sequence seen before "
      "(in the prompt or the answer), draft the N tokens that followed it instead of asking the head; "
