@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional
 
 from mlx_specdec.decoding.base import Event, GenerationStats
+from mlx_specdec.decoding.redrafter import DEFAULT_BEAM_LENGTH
 from mlx_specdec.decoding.triforce import BOTTOMS, DEFAULT_BUDGET, DEFAULT_GAMMA
 from mlx_specdec.errors import ContextOverflow, UserError
 
@@ -147,7 +148,7 @@ class FakeEngine:
             if method == "apar":
                 steps = self._apar_steps()
             elif method == "redrafter":
-                steps = self._redrafter_steps(int(options.get("beam_length", 5)) - 1)
+                steps = self._redrafter_steps(int(options.get("beam_length", DEFAULT_BEAM_LENGTH)) - 1)
             elif method == "triforce":
                 steps = self._triforce_steps(options, stats)
             else:
