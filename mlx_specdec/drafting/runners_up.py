@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..drafter.beam import with_runners_up
-from .verify_cost import CostTable, cost_of, costs_at, runners_up_worth
+from .verify_cost import CostTable, costs_at, most_tokens_per_cost, runners_up_worth
 
 
 def runner_columns(tokens: np.ndarray, confidence: np.ndarray, chain: np.ndarray, judged: np.ndarray,
@@ -83,9 +83,7 @@ def plan_step(chain_reach: np.ndarray, runner_gains: np.ndarray, runner_depths: 
     rank = np.argsort(-gains, axis=1, kind="stable")  # ties: the chain (the parent) first
     best_first = np.take_along_axis(gains, rank, axis=1)
     expected = B + np.concatenate([[0.0], np.cumsum(best_first.sum(axis=0))])  # (1 + K + R,) by n
-    per_t = costs_at(context, table)
-    rates = [expected[n] / cost_of(per_t, 1 + n) for n in range(len(expected))]
-    n = int(np.argmax(rates))  # the smallest tree among equals
+    n = most_tokens_per_cost(expected, 1, costs_at(context, table))  # the smallest tree among equals
     chosen = np.zeros_like(gains, dtype=bool)
     np.put_along_axis(chosen, rank[:, :n], True, axis=1)
     chosen &= gains > 0

@@ -123,14 +123,15 @@ def runners_up_worth(expected: float, tokens: int, probs: np.ndarray, context: i
     draft is not; deeper, that times the chain's reach (drafting/runners_up.py). k of them add
     probs[:k].sum() tokens for k more query tokens. -> the k in 0..S with the most expected tokens
     per unit of verify cost (as `worth_verifying` chooses a depth)."""
-    per_t = costs_at(context, table)
-    best, best_rate, gain = 0, expected / cost_of(per_t, tokens), expected
-    for k, p in enumerate(probs, start=1):
-        gain += float(p)
-        step_rate = gain / cost_of(per_t, tokens + k)
-        if step_rate > best_rate:
-            best, best_rate = k, step_rate
-    return best
+    gains = expected + np.concatenate([[0.0], np.cumsum(np.asarray(probs, dtype=np.float64))])
+    return most_tokens_per_cost(gains, tokens, costs_at(context, table))
+
+
+def most_tokens_per_cost(expected: np.ndarray, tokens: int, per_t: np.ndarray) -> int:
+    """expected (K+1,): a step's expected tokens with k = 0..K more query tokens than `tokens`;
+    per_t: the table's row at this context. -> the k with the most expected tokens per unit of
+    verify cost (the smallest among equals)."""
+    return int(np.argmax([e / cost_of(per_t, tokens + k) for k, e in enumerate(expected)]))
 
 
 class RateMeter:
