@@ -83,6 +83,18 @@ def second_guess_head(lm, prompts):
     return BigramOracle(lm.model.model.embed_tokens.weight, mx.array(table), 97)
 
 
+def answer_oracle(lm, prompts):
+    """A head that knows the target's greedy successors in its answers (not in the prompts, whose
+    bigrams a lookup would find): where a lookup proposes the prompt's pattern, it is right."""
+    table = np.random.default_rng(0).normal(size=(97, 97)).astype(np.float32)
+    engine = engine_with(lm, None)
+    for prompt in prompts:
+        seq = prompt[-1:] + run(engine, prompt, "ar", max_tokens=40)[0]
+        for a, b in zip(seq, seq[1:]):
+            table[a, b] = 20.0
+    return BigramOracle(lm.model.model.embed_tokens.weight, mx.array(table), 97)
+
+
 @pytest.mark.parametrize("runners_up", [1, 3])
 def test_greedy_redrafter_with_runners_up_equals_plain_decoding_and_accepts_them(runners_up):
     lm = make_tiny_lm(seed=3, eos_id=96)
@@ -230,3 +242,57 @@ def test_greedy_redrafter_with_competing_runners_up_equals_plain_decoding(depths
         assert got == want
         verified += stats.extra["runners_up_accepted"]
     assert verified > 0
+
+
+def test_beside_a_lookup_s_chain_the_head_s_first_choices_are_offered_discounted_at_depth_1_only():
+    from mlx_specdec.drafting.runners_up import HEAD_BESIDE_LOOKUP, runner_columns
+
+    tokens = np.array([[[11, 12], [21, 22]], [[31, 7], [41, 42]], [[51, 52], [61, 62]]])  # (B, D, S)
+    confidence = np.full((3, 2, 2), 0.2)
+    chains = np.array([[1, 10, 20], [2, 7, 40], [3, 50, 60]])  # row 0 the head's; rows 1-2 lookups
+    judged = np.full((3, 2), 0.5)
+    head_rows = np.array([True, False, False])
+    first = (np.array([10, 30, 50]), np.array([0.6, 0.6, 0.6]))  # row 2's head agrees with its lookup
+    got, gains, depths = runner_columns(tokens, confidence, chains, judged, 3, head_rows, lambda c: c, first)
+    assert depths.tolist() == [1, 1, 1, 2, 2]
+    assert got.tolist() == [[10, 11, 12, 21, 22], [30, 31, 7, 41, 42], [50, 51, 52, 61, 62]]
+    d = HEAD_BESIDE_LOOKUP
+    np.testing.assert_allclose(gains, [
+        [0.0, 0.2, 0.2, 0.1, 0.1],  # the head's row: its chain's first is not a runner-up of itself
+        [d * 0.6, d * 0.2, 0.0, 0.0, 0.0],  # a lookup's row: the head's first, its runner-up 31 (7 is the lookup's)
+        [0.0, 0.0, 0.0, 0.0, 0.0]])  # the head agrees with the lookup: nothing beside it
+    without, plain_gains, plain_depths = runner_columns(tokens, confidence, chains, judged, 3, head_rows, lambda c: c)
+    assert without.tolist() == got[:, 1:].tolist() and plain_depths.tolist() == [1, 1, 2, 2]
+    np.testing.assert_allclose(plain_gains, [[0.2, 0.2, 0.1, 0.1], [0.0] * 4, [0.0] * 4])
+
+
+def every_pair(symbols):
+    """A text holding every ordered pair of the symbols (an Eulerian circuit of the complete digraph
+    with loops): after it, any two of them in a row were seen before, so a lookup always drafts."""
+    out = {a: list(symbols) for a in symbols}
+    stack, path = [symbols[0]], []
+    while stack:
+        if out[stack[-1]]:
+            stack.append(out[stack[-1]].pop())
+        else:
+            path.append(stack.pop())
+    return path[::-1]
+
+
+@pytest.mark.parametrize("compete", [True, False])
+def test_greedy_redrafter_with_the_head_beside_lookups_equals_plain_decoding_and_rescues_them(compete):
+    """A prompt of every pair of 17 tokens: the answer's first steps draft from lookups that follow
+    the prompt, not the model; the head (which knows the answer's bigrams) is right beside them."""
+    lm = make_tiny_lm(seed=2, eos_id=96)
+    symbols = sorted(set(run(engine_with(lm, None), PROMPTS[0], "ar", max_tokens=40)[0]))
+    prompt = every_pair(symbols)
+    assert len(prompt) == len(symbols) ** 2 + 1
+    engine = engine_with(lm, answer_oracle(lm, [prompt]))
+    options = {"beam_length": 4, "draft_cutoff": 0.2, "lookup": 4, "runners_up": 2, "runners_compete": compete}
+    want, _ = run(engine, prompt, "ar", max_tokens=40)
+    got, beside = run(engine, prompt, "redrafter", max_tokens=40, options={**options, "head_beside_lookup": True})
+    alone, lookup_alone = run(engine, prompt, "redrafter", max_tokens=40, options={**options, "head_beside_lookup": False})
+    assert got == alone == want
+    assert beside.extra["lookup_steps"] == lookup_alone.extra["lookup_steps"] == 1.0  # every step a lookup's
+    assert lookup_alone.extra["runners_up_verified"] == 0 < beside.extra["runners_up_accepted"]
+    assert beside.forward_passes < lookup_alone.forward_passes

@@ -102,8 +102,10 @@ def test_stepwise_drafting_verifies_the_same_trees_as_the_whole_chain(cutoff, lo
     engine = engine_with(lm, oracle_head(lm, PROMPTS, corrupt=0.3))
     cut_short = 0
     for prompt in PROMPTS + [REPEATING]:
-        # deepen_reach 0: drafts as deep as the cutoff allows, as the whole chain does
-        options = {"beam_length": 5, "draft_cutoff": cutoff, "lookup": lookup, "verify_cost": False, "deepen_reach": 0.0}
+        # deepen_reach 0: drafts as deep as the cutoff allows, as the whole chain does; the head's
+        # first draft beside a lookup's is a runner-up, which only stepwise chains have
+        options = {"beam_length": 5, "draft_cutoff": cutoff, "lookup": lookup, "verify_cost": False, "deepen_reach": 0.0,
+                   "head_beside_lookup": False}
         whole = steps_of(engine, prompt, stepwise_draft=False, **options)
         stepwise = steps_of(engine, prompt, stepwise_draft=True, **options)
         assert stepwise == whole  # same tokens, same drafts verified and accepted at every step
@@ -153,7 +155,8 @@ def test_eager_drafts_verify_the_same_trees_in_one_host_sync_a_step(monkeypatch,
     monkeypatch.setattr(redrafter, "_read", counted)
     monkeypatch.setattr(head_proposer, "read_host", counted)
     monkeypatch.setattr(lookup_proposer, "read_host", counted)
-    options = {"beam_length": 4, "draft_cutoff": 0.3, "lookup": lookup, "verify_cost": False, "deepen_reach": 0.0}
+    options = {"beam_length": 4, "draft_cutoff": 0.3, "lookup": lookup, "verify_cost": False, "deepen_reach": 0.0,
+               "head_beside_lookup": False}  # a runner-up: lazy (stepwise) chains only
     for prompt in PROMPTS + [REPEATING]:
         got = {}
         for eager in (False, True):

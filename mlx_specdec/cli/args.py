@@ -114,6 +114,10 @@ METHOD_SETTINGS = [
      "greedy chains with runners-up and a verify-cost table: on = the chain's deeper drafts and the runners-up "
      "compete for the verify's query tokens, the likeliest nodes first; off = the chain's depth is chosen "
      "first, then runners-up are added where they pay (default: on)", _on_off),
+    ("redrafter", "head_beside_lookup", "--head-beside-lookup",
+     "greedy chains with runners-up: on = where a row drafts from prompt lookup, the head's own first draft "
+     "is a runner-up beside the lookup's first, verified where the verify-cost table says it pays (the head "
+     "then drafts at every step); off = a lookup's chain alone (default: on)", _on_off),
     ("redrafter", "deepen_reach", "--deepen-reach",
      "greedy chains drafted lazily: one depth deeper only while the chain so far is at least this likely to be "
      "accepted whole (its calibrated confidences multiplied), since each depth costs the head a vocabulary "

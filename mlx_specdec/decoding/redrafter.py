@@ -12,8 +12,8 @@ latest token `x`, and with the hidden state `h` that produced `x` (per batch row
             expected tokens per unit of verify cost at this context (drafting/verify_cost.py);
             none kept = a plain step   [host]
     pack    dedup shared prefixes -> N <= W*L distinct tokens, depths, tree mask      [host, tiny]
-            (+ greedy chains: the head's runners-up for the first draft as its siblings, where
-            the verify-cost table says they pay: --runners-up, drafter/beam.py with_runners_up)
+            (+ greedy chains: the head's runners-up as siblings of the chain's drafts, and its own
+            first choices beside a lookup's, where the verify-cost table says they pay: --runners-up)
     verify  one forward of the N tokens at positions length + depth under the tree mask
     accept  longest run the target agrees with (greedy) or rejection sampling -> n, next token
     commit  the cache keeps the n+1 accepted tokens (keep_appended_rows: only the offset moves when
@@ -22,9 +22,10 @@ latest token `x`, and with the hidden state `h` that produced `x` (per batch row
 The step's only host sync reads the acceptance result *and* the next step's drafts together: the
 next draft is built lazily from the accepted path's hidden state before anything is read back.
 With lookup the acceptance is read first (the lookup needs x on the host) and the head's lazy
-drafts are read, in a second sync, only if a row found no lookup. A greedy chain (the default)
-reads its first draft there and each deeper one in a sync of its own, made only while the cutoff
-would keep the chain that deep (`HeadProposer` stepwise: the same trees, fewer projections).
+drafts in a second sync (where every row found a lookup, only the first draft, verified beside
+the lookup's: --head-beside-lookup). A greedy chain (the default) reads its first draft there and
+each deeper one in a sync of its own, made only while the cutoff would keep the chain that deep
+(`HeadProposer` stepwise: the same trees, fewer projections).
 Before the first step the first tokens are read on their own and yielded, then the first draft
 is built and read: like every method, ReDrafter's TTFT is prefill + the first token's forward,
 and all drafting is decoding time. (`--prompt-draft on` drafts from the prompt instead, so the
@@ -82,13 +83,14 @@ DEFAULT_RUNNERS_UP = 2
 # 1.507-1.534x, 2.006 against 1.944 tokens a forward (benchmarks/results/issue18_stop43.md).
 DEFAULT_RUNNERS_UP_DEPTHS = 2
 DEFAULT_RUNNERS_COMPETE = True
+DEFAULT_HEAD_BESIDE_LOOKUP = True  # ... and the head's first draft beside a lookup's (runners_up.py)
 # Stepwise chains: draft one depth deeper only while some head row's chain so far is at least this
 # likely to be accepted whole (the product of its calibrated confidences). The cutoff and the
 # verify-cost rule judge what a draft costs to verify; this judges what it costs to make: a
 # vocabulary projection and a sync, ~3 ms on the 2-core CPU, against ~19 ms a token is worth there
 # (a ~37 ms step / ~1.95 tokens) times the ~55 % a reached draft is right: reach * 0.55 * 19 > 3
-# -> reach > ~0.3. Measured (benchmarks/results/issue18_stop41.md): 0.25-0.35 best at L = 5, 0.15
-# drafts deeper and is slower; 0 = off (L = 5 then runs 7 % slower than L = 3).
+# -> reach > ~0.3 (a depth alone costs ~0.55 ms now). Measured: 0.25-0.35 best, 0.15 (results/
+# issue18_stop41.md) and 0.08 (6 % slower, 2.029 against 2.006 tokens a forward: issue18_stop44.md) slower.
 DEFAULT_DEEPEN_REACH = 0.25
 DEFAULT_PROMPT_DRAFT = False
 DEFAULT_VERIFY_COST = True  # verify the depth worth its cost at this context (drafting/verify_cost.py)
@@ -139,6 +141,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     deepen_reach = float(ctx.params.options.get("deepen_reach", DEFAULT_DEEPEN_REACH))
     prompt_draft = bool(ctx.params.options.get("prompt_draft", DEFAULT_PROMPT_DRAFT))
     compete = bool(ctx.params.options.get("runners_compete", DEFAULT_RUNNERS_COMPETE)) and meter is None
+    beside_lookup = bool(ctx.params.options.get("head_beside_lookup", DEFAULT_HEAD_BESIDE_LOOKUP)) and lookup_drafts > 0
     proposer = HeadProposer(head, embed, width, length, vocab=int(model.args.vocab_size),
                             temperature=0.0 if greedy else params.temperature, stepwise=stepwise,
                             runners_up=runners_up, runner_depths=runner_depths)
@@ -228,7 +231,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     committed = cache.offset
     trust = DraftTrust(len(prompts))  # in the head's confidence
     runners = StepRunnersUp(proposer, trust.calibrated if use_trust else (lambda c: c), cutoff,
-                            cost_table if cost_aware else None, compete)
+                            cost_table if cost_aware else None, compete, beside_lookup)
     lookup_trust = DraftTrust(len(prompts))  # in the lookup's measured acceptance
     from_lookup = np.zeros(len(prompts), dtype=bool)  # per prompt, as `keep` indexes them
     if lookup is not None:
@@ -260,7 +263,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
             judged = np.where(from_lookup[:, None, None], lookup_trust.calibrated(confidence),
                               trust.calibrated(confidence)) if use_trust else confidence
             step_length = kept_length(judged, cutoff)
-            planned, with_runners = None, proposer.runners_up and step_length > 1 and not from_lookup.all()
+            planned, with_runners = None, proposer.runners_up and step_length > 1 and (beside_lookup or not from_lookup.all())
             if with_runners and runners.compete:
                 # ... the chain's drafts and the runners-up beside them, the likeliest first, as many
                 # as are worth this context's verify cost

@@ -41,6 +41,7 @@ class HeadProposer:
         self._chain = compiled_chain(head, embed, self.runners_up, self.runner_depths > 1) if self.stepwise else None
         self._pending = None  # stepwise: (state, hidden, draft, score) of the deepest draft made
         self._runners = None  # stepwise with runners_up: (tokens (B, S), confidences (B, S)), lazy
+        self._first = None  # stepwise: the first draft and its confidence (B,) each, lazy
         self._deeper_runners = []  # the same at depths 2.. as `extend` read them, on the host
 
     def propose(self, token: mx.array, hidden: Optional[mx.array]) -> Proposal:
@@ -49,6 +50,7 @@ class HeadProposer:
             state, draft, score, confidence, *runners = self._chain[0](hidden, token)
             self._pending = (state, hidden, draft, score)
             self._runners = runners or None
+            self._first = (draft, confidence)
             self._deeper_runners = []
             beams = mx.stack([token.astype(mx.int32), draft.astype(mx.int32)], axis=-1)[:, None, :]  # (B, 1, 2)
             return Proposal(beams, mx.zeros(beams.shape, dtype=mx.int32), None, confidence[:, None, None])
@@ -106,8 +108,17 @@ class HeadProposer:
         return (np.stack([tokens.astype(np.int32)] + [t for t, _ in deeper], axis=1),
                 np.stack([confidence] + [c for _, c in deeper], axis=1))
 
+    def first_on_host(self):
+        """The last `propose`'s first draft and its confidence, (B,) int32 and (B,): a sync, which
+        computes them if the caller has not read the drafts (every row a lookup's)."""
+        token, confidence = read_host(*self._first)
+        return token.astype(np.int32), confidence
+
     def select_rows(self, keep: np.ndarray) -> None:
         """Rows leaving the batch: the runners-up follow the proposals (`base.select_rows`)."""
+        if self._first is not None:
+            index = mx.array(keep)
+            self._first = tuple(a[index] for a in self._first)
         if self._runners is not None:
             index = mx.array(keep)
             self._runners = [r[index] for r in self._runners]

@@ -12,6 +12,12 @@ ones pay where the chain is sure of its first drafts and unsure of the next (tea
 bench answers with head v9: a runner-up rescues a step at depth 1 12.4 % of the time, at depth 2
 5.9 %, at depth 3 3.0 %: benchmarks/results/issue18_stop42.md).
 
+Beside a lookup's chain (`--head-beside-lookup`, greedy), the head's own first draft is offered
+the same way where it differs from the lookup's first: a sibling of it under the root, whose gain
+is its calibrated confidence times HEAD_BESIDE_LOOKUP (the head is less often right where a lookup
+disagrees with it). A step whose rows all drafted from lookup then makes the head's first draft
+as well (one vocabulary projection, ~2-3 ms on the 2-core CPU), which it otherwise skips.
+
 Columns are offered likeliest gain first; with a verify-cost table the step takes as many as raise
 expected tokens per unit of verify cost (`verify_cost.runners_up_worth`), without one those whose
 gain clears the cutoff. With `--runners-compete on` (the default) the chain's depth is not fixed
@@ -29,24 +35,44 @@ import numpy as np
 from ..drafter.beam import with_runners_up
 from .verify_cost import CostTable, costs_at, most_tokens_per_cost, runners_up_worth
 
+# P(the head's first draft is the target's token | the lookup drafted a different first token), over
+# the head's calibrated confidence in it. Decoding 32 prompts never trained on and outside every
+# bench set (every 6th of the last 214 of data/train_prompts_extra.jsonl, 96 tokens): at 81 of 203
+# lookup steps the two first drafts differed; the head's was right at 36, its confidences summed
+# to 42.5. (The 8 unseen chats, a bench set, gave 10 of 20.2: 0.5.)
+HEAD_BESIDE_LOOKUP = 0.85
+
 
 def runner_columns(tokens: np.ndarray, confidence: np.ndarray, chain: np.ndarray, judged: np.ndarray,
-                   step_length: int, head_rows: np.ndarray, calibrate: Callable[[np.ndarray], np.ndarray]):
+                   step_length: int, head_rows: np.ndarray, calibrate: Callable[[np.ndarray], np.ndarray],
+                   head_first: Optional[tuple] = None):
     """tokens, confidence (B, D, S): the head's runners-up at depths 1..D; chain (B, L) the step's
     chains (root first) and judged (B, L-1) their calibrated confidences; head_rows (B,) the rows
-    whose chain is the head's (a lookup's chain has no runners-up); calibrate: confidence ->
-    min(1, trust * confidence), any shape. Only depths whose chain draft the step verifies count.
-    -> tokens (B, R), gains (B, R), depths (R,): R = D' * S columns, depth-major."""
+    whose chain is the head's (a lookup's chain has no runners-up of its own); calibrate: confidence
+    -> min(1, trust * confidence), (B, ...) any rank. Only depths whose chain draft the step verifies count.
+    head_first: the head's first draft and its confidence (B,) each, offered beside a lookup's chain
+    with the head's depth-1 runners-up (a first column, depth 1; gain 0 in the head's rows, whose
+    chain it is), each at HEAD_BESIDE_LOOKUP times its calibrated confidence.
+    -> tokens (B, R), gains (B, R), depths (R,): R = [1 +] D' * S columns, depth-major."""
     depth = min(tokens.shape[1], step_length - 1)
     tokens, confidence = tokens[:, :depth], confidence[:, :depth]
+    B, S = len(chain), tokens.shape[2]
     # a runner-up equal to the chain's own draft (a tie at the top) adds nothing
-    fresh = (tokens != chain[:, 1: depth + 1, None]) & head_rows[:, None, None]
-    probs = calibrate(np.where(fresh, confidence, 0.0))
-    reach = np.concatenate([np.ones((len(chain), 1)), np.cumprod(judged[:, : depth - 1], axis=-1)], axis=1)
+    offered = (tokens != chain[:, 1: depth + 1, None]) & head_rows[:, None, None]
+    if head_first is not None:  # and beside a lookup's chain, the head's own choices at depth 1
+        first, first_confidence = head_first
+        first_offered = ~head_rows & (first != chain[:, 1])
+        offered[:, 0] |= first_offered[:, None] & (tokens[:, 0] != chain[:, 1:2]) & (tokens[:, 0] != first[:, None])
+    probs = calibrate(np.where(offered, confidence, 0.0))
+    reach = np.concatenate([np.ones((B, 1)), np.cumprod(judged[:, : depth - 1], axis=-1)], axis=1)
     gains = reach[:, :, None] * probs  # (B, D', S)
-    S = tokens.shape[2]
-    return (tokens.reshape(len(chain), -1), gains.reshape(len(chain), -1),
-            np.repeat(np.arange(1, depth + 1), S))
+    tokens, gains, depths = tokens.reshape(B, -1), gains.reshape(B, -1), np.repeat(np.arange(1, depth + 1), S)
+    if head_first is None:
+        return tokens, gains, depths
+    first_gain = calibrate(np.where(first_offered, first_confidence, 0.0)[:, None, None])[:, 0]  # (B, 1)
+    gains = np.where(head_rows[:, None], gains, HEAD_BESIDE_LOOKUP * gains)
+    return (np.concatenate([first[:, None].astype(tokens.dtype), tokens], axis=1),
+            np.concatenate([HEAD_BESIDE_LOOKUP * first_gain, gains], axis=1), np.concatenate([[1], depths]))
 
 
 def choose_runners_up(gains: np.ndarray, expected: float, tree_tokens: int, context: int, cutoff: float,
@@ -101,19 +127,23 @@ class StepRunnersUp:
     """A greedy step's runners-up, as `redrafter` uses them: offered beside the head's chains,
     chosen after the chain's depth (`choose_runners_up`) or competing with its drafts (`plan_step`),
     and added to the packed trees. proposer: the `HeadProposer` that drafted the chains;
-    calibrate: confidence -> the row's trust times it, any shape."""
+    calibrate: confidence (B, ...) -> the row's trust in the head times it, the same shape; beside_lookup: offer
+    the head's first draft beside a lookup's chain."""
 
     def __init__(self, proposer, calibrate: Callable[[np.ndarray], np.ndarray], cutoff: float,
-                 table: Optional[CostTable], compete: bool):
+                 table: Optional[CostTable], compete: bool, beside_lookup: bool = False):
         self.proposer, self.calibrate, self.cutoff, self.table = proposer, calibrate, cutoff, table
         self.compete = compete and table is not None
+        self.beside_lookup = beside_lookup
         self.verified = 0  # runners-up verified, all steps (reported)
 
     def candidates(self, chains: np.ndarray, judged: np.ndarray, step_length: int, head_rows: np.ndarray):
         """chains (B, L), judged (B, L-1) -> `runner_columns`' tokens (B, R), gains (B, R), depths (R,)."""
-        # Host sync: computed with the drafts, already evaluated when the head's drafts were read.
+        # Host sync: computed with the drafts, already evaluated when the head's drafts were read
+        # (where every row drafted from lookup, the head's first draft is computed here).
         tokens, confidence = self.proposer.runners_up_on_host()
-        return runner_columns(tokens, confidence, chains, judged, step_length, head_rows, self.calibrate)
+        first = self.proposer.first_on_host() if self.beside_lookup and not head_rows.all() else None
+        return runner_columns(tokens, confidence, chains, judged, step_length, head_rows, self.calibrate, first)
 
     def plan(self, beams: np.ndarray, judged: np.ndarray, kept: int, head_rows: np.ndarray, context: int):
         """Competing: beams (B, 1, L) and judged (B, 1, L-1) the step's chains, kept the length the
