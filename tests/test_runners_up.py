@@ -296,3 +296,18 @@ def test_greedy_redrafter_with_the_head_beside_lookups_equals_plain_decoding_and
     assert beside.extra["lookup_steps"] == lookup_alone.extra["lookup_steps"] == 1.0  # every step a lookup's
     assert lookup_alone.extra["runners_up_verified"] == 0 < beside.extra["runners_up_accepted"]
     assert beside.forward_passes < lookup_alone.forward_passes
+
+
+def test_a_runner_up_likelier_than_its_lookup_sibling_is_verified_with_the_chain_s_first_draft():
+    """The head beside a lookup can be likelier than the lookup's first draft. A tree of the head's
+    draft alone cannot be packed (runners-up hang beside a chain), so the chain's first comes too:
+    one token wider than planned, rather than a plain step."""
+    from mlx_specdec.drafting.runners_up import plan_step
+
+    table = CostTable(np.array([150.0]), np.array([[1.0, 1.0, 2.0, 3.0]]), "test")  # a second token is free
+    step_length, verify = plan_step(np.array([[0.3, 0.1]]), np.array([[0.6]]), np.array([1]), 150, table)
+    assert step_length == 2 and verify.tolist() == [[True]]
+    # in a batch, a row whose chain the planner took keeps its own plan
+    step_length, verify = plan_step(np.array([[0.3, 0.1], [0.9, 0.8]]), np.array([[0.6], [0.05]]), np.array([1]), 150,
+                                    table)
+    assert step_length == 2 and verify.tolist() == [[True], [False]]

@@ -12,11 +12,12 @@ ones pay where the chain is sure of its first drafts and unsure of the next (tea
 bench answers with head v9: a runner-up rescues a step at depth 1 12.4 % of the time, at depth 2
 5.9 %, at depth 3 3.0 %: benchmarks/results/issue18_stop42.md).
 
-Beside a lookup's chain (`--head-beside-lookup`, greedy), the head's own first draft is offered
-the same way where it differs from the lookup's first: a sibling of it under the root, whose gain
-is its calibrated confidence times HEAD_BESIDE_LOOKUP (the head is less often right where a lookup
-disagrees with it). A step whose rows all drafted from lookup then makes the head's first draft
-as well (one vocabulary projection, ~2-3 ms on the 2-core CPU), which it otherwise skips.
+Beside a lookup's chain (`--head-beside-lookup`, greedy), the head's own first draft and its
+depth-1 runners-up are offered the same way where they differ from the lookup's first draft:
+siblings of it under the root, whose gain is their calibrated confidence times HEAD_BESIDE_LOOKUP
+(the head is less often right where a lookup disagrees with it). A step whose rows all drafted
+from lookup then makes the head's first draft as well (0.54 ms on the 2-core CPU), which it
+otherwise skips.
 
 Columns are offered likeliest gain first; with a verify-cost table the step takes as many as raise
 expected tokens per unit of verify cost (`verify_cost.runners_up_worth`), without one those whose
@@ -39,7 +40,8 @@ from .verify_cost import CostTable, costs_at, most_tokens_per_cost, runners_up_w
 # the head's calibrated confidence in it. Decoding 32 prompts never trained on and outside every
 # bench set (every 6th of the last 214 of data/train_prompts_extra.jsonl, 96 tokens): at 81 of 203
 # lookup steps the two first drafts differed; the head's was right at 36, its confidences summed
-# to 42.5. (The 8 unseen chats, a bench set, gave 10 of 20.2: 0.5.)
+# to 42.4 (`python benchmarks/head_beside_lookup.py`, results/issue18_stop44.md). (The 8 unseen
+# chats, a bench set, gave 10 of 20.2: 0.5.)
 HEAD_BESIDE_LOOKUP = 0.85
 
 
@@ -96,8 +98,9 @@ def plan_step(chain_reach: np.ndarray, runner_gains: np.ndarray, runner_depths: 
     adds reach(j) expected tokens); runner_gains (B, R) as `runner_columns` gives them, at depths
     runner_depths (R,). Every node of the tree adds its gain for one query token, and no node gains
     more than its parent (reach falls with depth; a runner-up is at most as likely as its chain
-    sibling, the head's first choice), so for each size n the n likeliest nodes of a row form a
-    tree, the best one of that size. The step verifies the n whose rows' trees give the most expected
+    sibling, the head's first choice; the head's choices beside a lookup's chain are children of
+    the root), so for each size n the n likeliest nodes of a row form a tree, the best one of that
+    size. The step verifies the n whose rows' trees give the most expected
     tokens per unit of verify cost (B rows share one forward of 1 + n tokens):
 
         n* = argmax_n (B + sum_b sum of row b's n largest gains) / cost(1 + n)
@@ -113,9 +116,12 @@ def plan_step(chain_reach: np.ndarray, runner_gains: np.ndarray, runner_depths: 
     chosen = np.zeros_like(gains, dtype=bool)
     np.put_along_axis(chosen, rank[:, :n], True, axis=1)
     chosen &= gains > 0
+    if K:  # runners-up are packed beside a chain one draft long at least: a row that chose some of
+        # them and none of its chain (the head beside a surer-looking lookup) verifies its first too
+        chosen[:, 0] |= chosen[:, K:].any(axis=1)
     step_length = 1 + int(chosen[:, :K].sum(axis=1).max())
     verify = chosen[:, K:] & (runner_depths[None, :] <= step_length - 1)
-    room = 1 + n - step_length  # runners-up a row may add without widening the forward
+    room = max(n, int(chosen.sum(axis=1).max())) + 1 - step_length  # runners-up a row may add (the forward's width)
     for b in range(B):
         picked = np.flatnonzero(verify[b])
         if len(picked) > room:
