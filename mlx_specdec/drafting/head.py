@@ -116,11 +116,10 @@ class HeadProposer:
 
     def select_rows(self, keep: np.ndarray) -> None:
         """Rows leaving the batch: the runners-up follow the proposals (`base.select_rows`)."""
+        index = mx.array(keep)
         if self._first is not None:
-            index = mx.array(keep)
             self._first = tuple(a[index] for a in self._first)
         if self._runners is not None:
-            index = mx.array(keep)
             self._runners = [r[index] for r in self._runners]
             self._deeper_runners = [(t[keep], c[keep]) for t, c in self._deeper_runners]
 
