@@ -3,7 +3,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup model chat test test-fast bench clean
+.PHONY: setup model chat lint test test-fast bench clean
 
 $(VENV)/.installed: pyproject.toml scripts/setup.sh
 	VENV=$(VENV) bash scripts/setup.sh
@@ -17,10 +17,13 @@ model: setup  ## fetch + convert the embedded default model (once; cached)
 chat: model
 	$(BIN)/mlx-specdec chat
 
-test: model
+test: model lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-test-fast: setup  ## no model download: skips the tests marked slow
+lint: setup  ## ruff: pyflakes and pycodestyle errors
+	$(BIN)/ruff check .
+
+test-fast: setup lint  ## no model download: skips the tests marked slow
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 bench: model

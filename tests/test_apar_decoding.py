@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_specdec.apar import ParagraphTree, control_tokens_for, restore_answer, restore_tokens, tree_from_events
+from mlx_specdec.apar import control_tokens_for, restore_answer, restore_tokens, tree_from_events
 from mlx_specdec.cache import ContiguousKVCache, ForkableKVCache
 from mlx_specdec.decoding import GenerationParams, stream_events
 from mlx_specdec.decoding.apar import NoControlTokens, apar

@@ -13,7 +13,6 @@ wherever the base model writes: an answer that never forks is the original model
 and the first fork's child continues the original model's own greedy answer.
 """
 
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np

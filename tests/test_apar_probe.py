@@ -113,7 +113,6 @@ def test_probe_loss_is_the_cross_entropy_over_the_vocabulary_plus_the_fork_logit
 
 
 def test_evaluation_counts_where_the_greedy_decision_fires():
-    D = 2
     hidden = np.array([[0, 0], [1, 0], [0, 0], [1, 0]], np.float16)
     example = lambda kind, fork: ProbeExample(hidden, np.zeros(4, np.float32), np.zeros(4, np.float32),
                                               np.full(4, 0.5, np.float32), np.array(fork), kind, "valid")

@@ -12,7 +12,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from mlx_specdec import _jit

@@ -35,7 +35,6 @@ def test_layers_split_evenly_or_as_told_and_bad_splits_are_one_line():
 def tiny(tmp_path_factory):
     """A tiny Llama on disk (4 layers, embeddings at their init scale so the argmax depends on
     the whole context: a cache that lost or kept a wrong entry changes the output) and its ar."""
-    from conftest import make_tiny_lm
     from mlx_specdec.decoding import GenerationParams
     from mlx_specdec.engine import Engine
     from mlx_specdec.model.loader import load_model
