@@ -1,6 +1,7 @@
 """`mlx-specdec bench`: every method on the same prompts, in one run, against plain decoding.
 
-One schema (`ROW_COLUMNS`, `SUMMARY_COLUMNS`) renders to Markdown, JSON and CSV. Methods run
+One schema (`ROW_COLUMNS`, `SUMMARY_COLUMNS`) renders to Markdown, JSON and CSV (bench_report.py);
+the pipeline bench (bench_pipeline.py) writes the same, its own figures in extra columns. Methods run
 prompt-major (all methods on prompt 1, then prompt 2, ...) so slow drifts of a noisy machine
 hit every method alike, and in an order rotated by one per prompt (and repeat), so whatever
 favours a place in the order (warm caches, a cool chip) does not always favour the same method.
@@ -45,6 +46,8 @@ ROW_COLUMNS = [
     "threads", "max_cached_tokens", "flat_max_cached_tokens", "attended_tokens_mean",
     "flat_attended_tokens_mean", "answer_nll", "needle_found", "bottom_acceptance", "middle_acceptance",
     "attention_recall", "retrieval_rebuilds", "middle_forwards",
+    # pipeline methods (bench_pipeline.py): runs launched through the ranks, each stage's idle fraction
+    "runs", "speculative_runs", "cancelled", "tokens_per_pass", "stage_idle",
 ]
 SUMMARY_COLUMNS = [
     "method", "config", "prompts", "new_tokens", "decode_tps", "decode_tps_sd", "speedup_vs_ar",
@@ -56,6 +59,9 @@ SUMMARY_COLUMNS = [
     "forked_fraction", "threads_mean", "threads_when_forked", "decode_steps_mean", "flat_decode_steps_mean",
     "max_cached_tokens_mean", "flat_max_cached_tokens_mean", "attended_tokens_mean",
     "flat_attended_tokens_mean", "answer_nll", "nll_vs_ar",
+    # pipeline methods: against the paper's baseline (pp-spec) and pipelined ar's TTFT; the runs
+    "speedup_vs_pp_spec", "ttft_vs_pp_ar", "tokens_per_pass", "runs", "speculative_runs", "cancelled",
+    "acceptance", "stage_idle",
 ]
 CATEGORY_COLUMNS = [
     "method", "config", "category", "prompts", "decode_tps", "speedup_vs_ar", "forked_fraction",
@@ -70,7 +76,9 @@ EXTRA_FIELDS = ["steps", "compression", "acceptance_per_position", "tree_tokens_
                 "attended_tokens_mean", "answer_tokens", "control_tokens", "flat_decode_steps",
                 "flat_max_cached_tokens", "flat_attended_tokens_mean", "dropped_steps",
                 # triforce: each level's acceptance, what the budget sees, rebuilds
-                "bottom_acceptance", "middle_acceptance", "attention_recall", "retrieval_rebuilds", "middle_forwards"]
+                "bottom_acceptance", "middle_acceptance", "attention_recall", "retrieval_rebuilds", "middle_forwards",
+                # pipeline methods: what the ranks report (bench_pipeline.py)
+                "runs", "speculative_runs", "cancelled", "tokens_per_pass", "stage_idle"]
 TRIFORCE_FIELDS = ("bottom_acceptance", "middle_acceptance", "attention_recall", "retrieval_rebuilds")
 
 
@@ -181,32 +189,45 @@ def run_bench(engine: Engine, prompts: List[Prompt], configs: List[MethodConfig]
                 tokens, stats = run_one(engine, prompt, config, params)
                 if config.method == "ar" and not config.options:
                     reference.setdefault(prompt.id, tokens)
-                rows.append({
-                    "method": config.method, "config": config.label, "prompt_id": prompt.id,
-                    "category": prompt.category, "repeat": repeat,
-                    "prompt_tokens": stats.prompt_tokens, "new_tokens": stats.generated_tokens,
-                    "decode_tps": round(stats.decode_tps, 2), "ttft_ms": round(stats.ttft_s * 1000, 1),
-                    "decode_s": round(stats.decode_s, 4), "forward_passes": stats.forward_passes,
-                    "tokens_per_forward": round(stats.tokens_per_forward, 3),
-                    "drafted": stats.drafted, "accepted": stats.accepted,
-                    "peak_memory_mb": round(stats.peak_memory_mb, 1),
-                    "_tokens": tokens,
-                    **{k: stats.extra[k] for k in EXTRA_FIELDS if k in stats.extra},
-                })
+                rows.append(result_row(config, prompt, repeat, stats, tokens))
                 bar.update(1)
     bar.close()
+    finish_rows(engine, prompts, rows, reference, progress)
+    return {"environment": environment(engine), "params": params_record(params, repeats),
+            "rows": rows, "summary": summarize(rows, configs, repeats)}
+
+
+def result_row(config: MethodConfig, prompt: Prompt, repeat: int, stats, tokens: List[int]) -> dict:
+    """One run's row of the schema (`_tokens`, the answer, is dropped once compared and scored).
+    A figure the run could not measure is None (a pipeline's peak memory lives in its ranks)."""
+    return {
+        "method": config.method, "config": config.label, "prompt_id": prompt.id,
+        "category": prompt.category, "repeat": repeat,
+        "prompt_tokens": stats.prompt_tokens, "new_tokens": stats.generated_tokens,
+        "decode_tps": round(stats.decode_tps, 2), "ttft_ms": round(stats.ttft_s * 1000, 1),
+        "decode_s": round(stats.decode_s, 4), "forward_passes": stats.forward_passes,
+        "tokens_per_forward": round(stats.tokens_per_forward, 3),
+        "drafted": stats.drafted, "accepted": stats.accepted,
+        "peak_memory_mb": _round(stats.peak_memory_mb, 1),
+        "_tokens": tokens,
+        **{k: stats.extra[k] for k in EXTRA_FIELDS if k in stats.extra},
+    }
+
+
+def finish_rows(engine: Engine, prompts: List[Prompt], rows: List[dict], reference: Dict[str, List[int]],
+                progress: bool = True) -> None:
+    """Each row's answer against ar's (`reference`, by prompt id), a needle's pass key, APAR's
+    quality score; then the answers are dropped."""
     expected = {p.id: p.expected for p in prompts if p.expected}
     for row in rows:
         ref = reference.get(row["prompt_id"])
         row["identical_to_ar"] = ref is not None and row["_tokens"] == ref
         if row["prompt_id"] in expected:  # a needle: did the answer keep the pass key?
             row["needle_found"] = expected[row["prompt_id"]] in engine.lm.tokenizer.decode(row["_tokens"])
-    if any(c.method == "apar" for c in configs):
+    if any(r["method"] == "apar" for r in rows):
         score_answers(engine, prompts, rows, progress)
     for row in rows:
         del row["_tokens"]
-    return {"environment": environment(engine), "params": _params_dict(params, repeats),
-            "rows": rows, "summary": summarize(rows, configs, repeats)}
 
 
 def score_answers(engine: Engine, prompts: List[Prompt], rows: List[dict], progress: bool = True) -> None:
@@ -224,7 +245,7 @@ def score_answers(engine: Engine, prompts: List[Prompt], rows: List[dict], progr
         row["answer_nll"] = None if nll != nll else round(nll, 4)  # NaN (empty answer): no score
 
 
-def _params_dict(params: GenerationParams, repeats: int) -> dict:
+def params_record(params: GenerationParams, repeats: int) -> dict:
     return {"max_tokens": params.max_tokens, "temperature": params.temperature,
             "top_p": params.top_p, "seed": params.seed, "repeats": repeats}
 
@@ -263,7 +284,8 @@ def summarize(rows: List[dict], configs: List[MethodConfig], repeats: int) -> Li
             "speedup_vs_ar": round(speed_mean, 3), "speedup_sd": _round(speed_sd, 3),
             "tokens_per_forward": round(sum(r["new_tokens"] for r in mine) / forwards, 3) if forwards else 0.0,
             "ttft_ms_median": round(statistics.median(r["ttft_ms"] for r in mine), 1),
-            "peak_memory_mb": max(r["peak_memory_mb"] for r in mine),
+            "peak_memory_mb": max((r["peak_memory_mb"] for r in mine if r["peak_memory_mb"] is not None),
+                                  default=None),
             "identical_fraction": round(sum(r["identical_to_ar"] for r in mine) / len(mine), 3),
             **_needles(mine),
             **_speculation_summary(mine),

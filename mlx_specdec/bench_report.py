@@ -1,4 +1,7 @@
-"""Bench reports: the one schema of `bench.py` rendered as Markdown, JSON or CSV, and a plot."""
+"""Bench reports: the one schema of `bench.py` (and of `bench_pipeline.py`) rendered as Markdown,
+JSON or CSV, and a plot. JSON holds every record as it is; CSV, one row a run, has every column of
+the schema, in its order, whichever methods ran; a Markdown table shows the columns that have a
+value for the methods run."""
 
 from __future__ import annotations
 
@@ -19,7 +22,15 @@ def _md_cell(value) -> str:
     return "n/a" if value is None else str(value)  # None: undefined (an sd of one repeat), JSON's null
 
 
+def shown_columns(records: List[dict], columns: List[str]) -> List[str]:
+    """The schema's columns that hold a value in at least one record, in the schema's order. A
+    column no method fills (another method's figures) is left out; None is a value (n/a:
+    undefined, such as the sd of one repeat) and stays."""
+    return [c for c in columns if any(c in r and r[c] != "" for r in records)]
+
+
 def _md_table(records: List[dict], columns: List[str]) -> str:
+    columns = shown_columns(records, columns)
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for record in records:
         lines.append("| " + " | ".join(_md_cell(record.get(c, "")) for c in columns) + " |")
@@ -32,7 +43,7 @@ def _rounded(record: dict) -> dict:
 
 def render(result: dict, fmt: str) -> str:
     if fmt == "json":
-        return json.dumps(dict(result, per_category=[_rounded(t) for t in per_category(result)]), indent=2)
+        return json.dumps(dict(result, per_category=[_rounded(t) for t in per_category(result)]), indent=2) + "\n"
     if fmt == "csv":
         out = io.StringIO()
         writer = csv.DictWriter(out, fieldnames=ROW_COLUMNS, extrasaction="ignore")
@@ -51,8 +62,8 @@ def render(result: dict, fmt: str) -> str:
     raise UserError(f"unknown format {fmt!r} (choose md, json or csv)")
 
 
-def print_summary(result: dict, stream=sys.stderr) -> None:
-    print(_md_table(result["summary"], SUMMARY_COLUMNS), file=stream)
+def print_summary(result: dict, stream=None) -> None:
+    print(_md_table(result["summary"], SUMMARY_COLUMNS), file=stream or sys.stderr)  # sys.stderr as it is at the call
 
 
 # -- plot: which method wins where ----------------------------------------------------------------

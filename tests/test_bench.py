@@ -201,3 +201,147 @@ def test_bench_compares_several_heads_each_config_decoding_with_its_own(tmp_path
     assert {id(h) for h in used if h is not None} == {id(head_a), id(head_b)}
     labels = {row["config"] for row in summary_table(render(result, "md"))}
     assert {f"drafter={first}", f"drafter={second}"} <= labels
+
+
+# -- 4: one schema in every format, from one process or over ranks ----------------------------------
+
+PIPELINE_RUN = ["--methods", "ar,pp-ar,pp-spec,pipeinfer", "--ranks", "2"]
+SINGLE_RUN = ["--methods", "ar,redrafter"]
+
+
+def md_table(markdown: str, heading: str):
+    """A Markdown report's table under `## heading`: (header, rows as lists of cells)."""
+    lines = markdown.split(f"## {heading}", 1)[1].strip().split("\n\n", 1)[0].splitlines()
+    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines]
+    assert all(len(row) == len(cells[0]) for row in cells[2:])  # every row as wide as the header
+    return cells[0], cells[2:]
+
+
+def fake_ranks(engine, wrong=("pp-spec",)):
+    """Stands in for the ranks `mlx.launch` starts: each job decoded here by ar, its events shaped
+    as the ranks write them (distributed/rank.py, head.py); a method in `wrong` changes its answer's
+    last token. The pipeline itself is run for real in test_pipeline.py."""
+    def run_jobs(args, model_path, jobs, on_event):
+        on_event({"ranks": 2, "split": [[0, 1], [1, 2]], "parameter_mb": [0.1, 0.1]})
+        for index, job in enumerate(jobs):
+            s = job["settings"]
+            events = engine.generate_ids(job["prompt"], "ar", GenerationParams(max_tokens=s["max_tokens"]))
+            tokens = [t for e in events if e.kind == "token" for t in e.tokens]
+            if s["method"] in wrong:
+                tokens[-1] = (tokens[-1] + 1) % 97
+            on_event({"tokens": tokens, "job": index})
+            drafted = 0 if s["method"] == "pp-ar" else 6
+            runs = len(tokens) - 1
+            on_event({"job": index, "stats": dict(
+                runs=runs + 1, speculative_runs=drafted // 3, cancelled=drafted // 6, skipped=0, drafted=drafted,
+                accepted=drafted // 2, decode_runs=runs, rejected_drafts=0, abandoned=0, new_tokens=len(tokens),
+                ttft_s=0.01, decode_s=0.02, wall_s=0.03, stage_busy_s=[0.02, 0.01], stage_idle=[0.3, 0.6],
+                tokens_per_pass=round(runs / max(runs, 1), 3))})
+        return []
+    return run_jobs
+
+
+@pytest.fixture
+def bench_cli(monkeypatch, capsys, tmp_path):
+    """`mlx-specdec bench ARGS` in this process on the tiny engine (ranks faked): (stdout, stderr)."""
+    import mlx_specdec.bench_pipeline as bench_pipeline
+    import mlx_specdec.cli.bench as cli_bench
+    from mlx_specdec.cli import build_parser
+
+    engine = tiny_engine()
+    monkeypatch.setattr(cli_bench, "load_engine", lambda args: engine)
+    monkeypatch.setattr(bench_pipeline, "run_jobs", fake_ranks(engine))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(p.text for p in BENCH_PROMPTS[:2]) + "\n")
+
+    def bench(*argv):
+        args = build_parser().parse_args(["bench", "--prompts", str(prompts), "--max-tokens", str(MAX_TOKENS),
+                                          *argv])
+        assert args.func(args) == 0
+        captured = capsys.readouterr()
+        return captured.out, captured.err
+    return bench
+
+
+def test_json_is_one_schema_whether_the_bench_ran_in_one_process_or_over_ranks(bench_cli):
+    from mlx_specdec.bench import EXTRA_FIELDS, ROW_COLUMNS, SUMMARY_COLUMNS
+
+    single = json.loads(bench_cli(*SINGLE_RUN, "--format", "json")[0])
+    piped = json.loads(bench_cli(*PIPELINE_RUN, "--format", "json")[0])  # JSON, not Markdown
+    assert set(single) == set(piped) == {"environment", "params", "rows", "summary", "per_category"}
+    assert set(single["params"]) == set(piped["params"])
+    assert set(single["environment"]) < set(piped["environment"])
+    assert piped["environment"]["ranks"] == 2
+    # a row may carry a method's raw figures besides (EXTRA_FIELDS: its summary's inputs)
+    for key, schema in (("rows", ROW_COLUMNS + EXTRA_FIELDS), ("summary", SUMMARY_COLUMNS)):
+        ar_keys = {k for r in single[key] if r["method"] == "ar" for k in r}
+        assert ar_keys <= {k for r in piped[key] if r["method"] == "ar" for k in r}
+        for record in single[key] + piped[key]:
+            assert ar_keys <= set(record) <= set(schema), (key, record["method"])
+    assert {tuple(sorted(t)) for t in single["per_category"]} >= {tuple(sorted(t)) for t in piped["per_category"]}
+
+    summary = {s["method"]: s for s in piped["summary"]}
+    assert set(summary) == {"ar", "pp-ar", "pp-spec", "pipeinfer"}
+    assert summary["pp-spec"]["config"] == "draft_length=4,drafter=auto"
+    assert [summary[m]["identical_fraction"] for m in ("ar", "pp-ar", "pp-spec", "pipeinfer")] == [1, 1, 0, 1]
+    assert summary["pp-ar"]["acceptance"] is None and summary["pipeinfer"]["acceptance"] == 0.5
+    assert summary["pp-spec"]["speedup_vs_pp_spec"] == 1.0 and summary["pp-ar"]["ttft_vs_pp_ar"] == 1.0
+    assert summary["pipeinfer"]["stage_idle"] == [0.3, 0.6] and summary["pipeinfer"]["runs"] > 0
+    assert summary["pp-ar"]["peak_memory_mb"] is None and summary["ar"]["peak_memory_mb"] > 0  # the ranks': n/a
+    assert "runs" not in summary["ar"] and all(s["decode_tps"] > 0 for s in summary.values())
+    rows = piped["rows"]
+    assert len(rows) == 4 * 2 and all(r["tokens_per_forward"] > 0 for r in rows)
+
+
+def test_csv_has_every_column_of_the_schema_and_a_row_a_run_in_both_benches(bench_cli, tmp_path):
+    from mlx_specdec.bench import ROW_COLUMNS
+
+    out = tmp_path / "single.csv"
+    stdout, stderr = bench_cli(*SINGLE_RUN, "--format", "csv", "--output", str(out))
+    assert stdout == "" and f"wrote {out}" in stderr and "| method |" in stderr  # the summary on stderr
+    single = csv.DictReader(io.StringIO(out.read_text()))
+    single_rows = list(single)
+    piped = csv.DictReader(io.StringIO(bench_cli(*PIPELINE_RUN, "--format", "csv")[0]))
+    piped_rows = list(piped)
+    assert single.fieldnames == piped.fieldnames == ROW_COLUMNS
+    assert sorted(r["method"] for r in single_rows) == ["ar", "ar", "redrafter", "redrafter"]
+    assert sorted(r["method"] for r in piped_rows) == sorted(["ar", "pp-ar", "pp-spec", "pipeinfer"] * 2)
+    for row in piped_rows:
+        assert float(row["decode_tps"]) > 0
+        assert row["identical_to_ar"] == str(row["method"] != "pp-spec")
+        assert (row["runs"] == "") == (row["method"] == "ar")  # the ranks' figures, where they ran
+    assert all(r["acceptance_per_position"] for r in single_rows if r["method"] == "redrafter")
+
+
+def test_markdown_tables_show_only_the_columns_a_method_run_fills_in_the_schema_order(bench_cli):
+    from mlx_specdec.bench import CATEGORY_COLUMNS, ROW_COLUMNS, SUMMARY_COLUMNS
+
+    single, piped = bench_cli(*SINGLE_RUN)[0], bench_cli(*PIPELINE_RUN, "--format", "md")[0]
+    for report in (single, piped):
+        for heading, schema in (("Summary", SUMMARY_COLUMNS), ("Per category", CATEGORY_COLUMNS),
+                                ("Per prompt", ROW_COLUMNS)):
+            header, rows = md_table(report, heading)
+            assert header == [c for c in schema if c in header]  # the schema's order
+            for i, column in enumerate(header):
+                assert any(row[i] != "" for row in rows), (heading, column)  # no all-empty column
+    header, rows = md_table(single, "Summary")
+    assert len(header) < len(SUMMARY_COLUMNS) // 2
+    assert {"decode_tps_sd", "acceptance_per_position", "compression"} <= set(header)  # n/a is a value
+    assert not {"forked_fraction", "nll_vs_ar", "bottom_acceptance", "runs", "stage_idle"} & set(header)
+    cells = {row[0]: dict(zip(header, row)) for row in rows}
+    assert cells["ar"]["acceptance_per_position"] == "" and cells["redrafter"]["acceptance_per_position"]
+    assert cells["ar"]["decode_tps_sd"] == "n/a"
+    header, rows = md_table(piped, "Summary")
+    assert {"speedup_vs_pp_spec", "tokens_per_pass", "cancelled", "stage_idle"} <= set(header)
+    assert not {"acceptance_per_position", "compression", "forked_fraction"} & set(header)
+    cells = {row[0]: dict(zip(header, row)) for row in rows}
+    assert cells["ar"]["stage_idle"] == "" and cells["pipeinfer"]["stage_idle"] == "[0.3, 0.6]"
+    assert cells["pp-ar"]["acceptance"] == cells["pp-ar"]["peak_memory_mb"] == "n/a"
+
+
+def test_a_format_other_than_md_json_csv_is_refused_before_anything_runs(bench_cli):
+    from mlx_specdec.errors import UserError
+
+    for methods in (SINGLE_RUN, PIPELINE_RUN):
+        with pytest.raises(UserError, match="unknown format 'yaml'"):
+            bench_cli(*methods, "--format", "yaml")

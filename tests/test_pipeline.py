@@ -243,20 +243,34 @@ def test_cli_generate_over_ranks_writes_ar_s_answer_and_bad_input_is_one_line(ti
 
 
 def test_cli_bench_compares_pipeline_methods_with_ar_and_reports_identical_output(tiny, tmp_path):
+    """In the main bench's schema, in the format asked: JSON to stdout, CSV to --output."""
+    import csv
+    import json
     import sys
+
+    from mlx_specdec.bench import ROW_COLUMNS
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("w3 w5 w7 w9 w3 w5 w7\nw11 w13 w11 w13 w11\n")
-    out = tmp_path / "bench.md"
-    done = subprocess.run([sys.executable, "-m", "mlx_specdec.cli", "bench", "-m", tiny.path, "--prompts", str(prompts),
-                           "--methods", "ar,pp-ar,pp-spec,pipeinfer", "--ranks", "2", "--max-tokens", "10",
-                           "--pp-drafter", "ngram", "-o", str(out)], capture_output=True, text=True, timeout=300)
+    cli = [sys.executable, "-m", "mlx_specdec.cli", "bench", "-m", tiny.path, "--prompts", str(prompts),
+           "--methods", "ar,pp-ar,pp-spec,pipeinfer", "--ranks", "2", "--max-tokens", "10", "--pp-drafter", "ngram"]
+    done = subprocess.run(cli + ["--format", "json"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    summary = out.read_text().split("| method | prompts |")[1].split("\n\n")[0]  # the summary table
-    rows = [line.split(" | ") for line in summary.splitlines()[2:]]
-    methods = {row[0].strip("| ") for row in rows}
-    assert methods == {"ar", "pp-ar", "pp-spec", "pipeinfer"}
-    assert all(row[-1].strip(" |") == "1.0" for row in rows)  # identical_fraction
+    report = json.loads(done.stdout)
+    assert set(report) == {"environment", "params", "rows", "summary", "per_category"}
+    assert report["environment"]["ranks"] == 2 and len(report["environment"]["parameter_mb"]) == 2
+    summary = {s["method"]: s for s in report["summary"]}
+    assert set(summary) == {"ar", "pp-ar", "pp-spec", "pipeinfer"}
+    assert all(s["identical_fraction"] == 1.0 and s["decode_tps"] > 0 for s in summary.values())
+    assert summary["pipeinfer"]["runs"] >= summary["pipeinfer"]["speculative_runs"] >= summary["pipeinfer"]["cancelled"]
+    assert len(summary["pp-spec"]["stage_idle"]) == 2 and summary["pp-spec"]["speedup_vs_pp_spec"] == 1.0
+    out = tmp_path / "bench.csv"
+    done = subprocess.run(cli + ["--format", "csv", "-o", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout == "", done.stderr
+    table = csv.DictReader(out.read_text().splitlines())
+    rows = list(table)
+    assert table.fieldnames == ROW_COLUMNS and len(rows) == 4 * 2
+    assert all(r["identical_to_ar"] == "True" and int(r["new_tokens"]) > 0 for r in rows)
     bad = subprocess.run([sys.executable, "-m", "mlx_specdec.cli", "bench", "-m", tiny.path, "--prompts", str(prompts),
                           "--methods", "ar,redrafter,pipeinfer", "--ranks", "2"], capture_output=True, text=True,
                          timeout=120)

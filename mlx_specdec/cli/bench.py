@@ -47,11 +47,17 @@ def add_parser(sub) -> None:
     p.set_defaults(func=cmd_bench)
 
 
+FORMATS = ("md", "json", "csv")
+
+
 def cmd_bench(args) -> int:
-    from ..bench import expand_configs, load_prompts, run_bench
-    from ..bench_report import plot_bench, print_summary, render
+    from ..bench import expand_configs, run_bench
     from ..decoding import GenerationParams
 
+    if args.format not in FORMATS:  # before any model loads or rank starts
+        raise UserError(f"unknown format {args.format!r} (choose md, json or csv)")
+    if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise UserError(f"--plot writes .png, .svg or .pdf, not {args.plot!r}")
     methods = _comma_list(args.methods)
     if any(m in PIPELINE_METHODS for m in methods):
         return _bench_pipeline(args, methods)
@@ -61,14 +67,7 @@ def cmd_bench(args) -> int:
         grids.setdefault("redrafter", {})["drafter"] = heads
         args.drafter = heads[0]
     configs = expand_configs(methods, grids)
-    prompts = load_prompts(args.prompts, limit=args.limit,
-                           categories=_comma_list(args.categories) if args.categories else None,
-                           shapes=_comma_list(args.shapes) if args.shapes else None,
-                           context=args.context_length, ids=_comma_list(args.ids) if args.ids else None)
-    if args.format not in ("md", "json", "csv"):
-        raise UserError(f"unknown format {args.format!r} (choose md, json or csv)")
-    if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg", ".pdf"):
-        raise UserError(f"--plot writes .png, .svg or .pdf, not {args.plot!r}")
+    prompts = _prompts(args)
     engine = load_engine(args)
     for head in heads[1:]:  # a missing or mismatched head stops the bench before it runs, not midway
         engine.drafter_for(head)
@@ -77,7 +76,38 @@ def cmd_bench(args) -> int:
         print("note: redrafter judges its drafts by the verify costs shipped for a 2-core x86 VM; "
               "`mlx-specdec calibrate` (about a minute) measures this machine's", file=sys.stderr)
     params = GenerationParams(max_tokens=args.max_tokens, temperature=args.temp, seed=args.seed)
-    result = run_bench(engine, prompts, configs, params, repeats=args.repeats)
+    return _report(args, run_bench(engine, prompts, configs, params, repeats=args.repeats))
+
+
+def _bench_pipeline(args, methods) -> int:
+    """pp-ar, pp-spec, pipeinfer over ranks, against ar in this process (bench_pipeline.py)."""
+    from ..bench_pipeline import run_pipeline_bench
+    from ..decoding import GenerationParams
+
+    other = [m for m in methods if m not in PIPELINE_METHODS + ("ar",)]
+    if other:
+        raise UserError(f"a pipeline bench compares ar, {', '.join(PIPELINE_METHODS)}; not {', '.join(other)}")
+    if args.ranks is None and args.hostfile is None:
+        args.ranks = 2
+    prompts = _prompts(args)
+    engine = load_engine(args)
+    params = GenerationParams(max_tokens=args.max_tokens, temperature=args.temp, seed=args.seed)
+    return _report(args, run_pipeline_bench(args, engine, prompts, methods, params, repeats=args.repeats))
+
+
+def _prompts(args):
+    from ..bench import load_prompts
+
+    return load_prompts(args.prompts, limit=args.limit,
+                        categories=_comma_list(args.categories) if args.categories else None,
+                        shapes=_comma_list(args.shapes) if args.shapes else None,
+                        context=args.context_length, ids=_comma_list(args.ids) if args.ids else None)
+
+
+def _report(args, result: dict) -> int:
+    """The report in the format asked, to --output (the summary to stderr) or to stdout; the plot."""
+    from ..bench_report import plot_bench, print_summary, render
+
     text = render(result, args.format)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
@@ -88,32 +118,4 @@ def cmd_bench(args) -> int:
         sys.stdout.write(text)
     if args.plot:
         print(f"wrote {plot_bench(result, Path(args.plot))}", file=sys.stderr)
-    return 0
-
-
-def _bench_pipeline(args, methods) -> int:
-    """pp-ar, pp-spec, pipeinfer over ranks, against ar in this process (bench_pipeline.py)."""
-    from ..bench import environment, load_prompts
-    from ..bench_pipeline import render, run_pipeline_bench
-    from ..decoding import GenerationParams
-
-    other = [m for m in methods if m not in PIPELINE_METHODS + ("ar",)]
-    if other:
-        raise UserError(f"a pipeline bench compares ar, {', '.join(PIPELINE_METHODS)}; not {', '.join(other)}")
-    if args.ranks is None and args.hostfile is None:
-        args.ranks = 2
-    prompts = load_prompts(args.prompts, limit=args.limit,
-                           categories=_comma_list(args.categories) if args.categories else None,
-                           shapes=_comma_list(args.shapes) if args.shapes else None,
-                           context=args.context_length, ids=_comma_list(args.ids) if args.ids else None)
-    engine = load_engine(args)
-    params = GenerationParams(max_tokens=args.max_tokens, temperature=args.temp, seed=args.seed)
-    result = run_pipeline_bench(args, engine, prompts, methods, params)
-    env = environment(engine)
-    text = render(result, " · ".join(f"{k}: {v}" for k, v in env.items()))
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(text)
-        print(f"wrote {args.output}", file=sys.stderr)
-    sys.stdout.write(text)
     return 0
