@@ -15,6 +15,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 from .cache.prefix import PrefixStore
 from .decoding import STRATEGIES, Event, GenerationParams, stream_events
 from .decoding.batch import stream_batch
+from .settings import METHODS
 from .errors import UserError
 from .model.loader import LoadedModel, load_model
 
@@ -23,8 +24,8 @@ class UnknownMethod(UserError):
     pass
 
 
-#: methods that decode several prompts together as rows of one batch
-BATCH_METHODS = {"redrafter"}
+#: methods that decode several prompts together as rows of one batch (declared in the registry)
+BATCH_METHODS = {m.name for m in METHODS.values() if m.batches}
 
 
 def check_method(method: str) -> None:

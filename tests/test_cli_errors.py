@@ -121,7 +121,7 @@ def test_triforce_from_the_command_line(tiny_dir):
     assert_one_line_error(cli("generate", "-m", str(tiny_dir), "-p", "w5 w6", "--raw", "--method", "triforce",
                               "--bottom", "model"), "--draft-model")
     assert_one_line_error(cli("generate", "-p", "hi", "--method", "triforce", "--rebuild-below", "1.5"),
-                          "--rebuild-below takes a number between 0 and 1")
+                          "--rebuild-below takes a number from 0 to 1")
     # the model as its own draft model, over a StreamingLLM window
     result = cli("generate", "-m", str(tiny_dir), "-p", "w5 w6 w7 w5 w6", "--raw", "--max-tokens", "4",
                  "--method", "triforce", "--budget", "16", "--bottom", "model", "--draft-model", str(tiny_dir))
@@ -155,8 +155,8 @@ def test_offline_repo_id(isolated_home):
 
 
 def test_bad_numbers():
-    assert_one_line_error(cli("generate", "-p", "hi", "--max-tokens", "0"), "--max-tokens must be positive")
-    assert_one_line_error(cli("generate", "-p", "hi", "--temp", "-1"), "--temp must be >= 0")
+    assert_one_line_error(cli("generate", "-p", "hi", "--max-tokens", "0"), "--max-tokens takes a whole number from 1")
+    assert_one_line_error(cli("generate", "-p", "hi", "--temp", "-1"), "--temp takes a number from 0 to 2, not -1.0")
 
 
 def test_missing_prompt_file(tiny_dir, tmp_path):

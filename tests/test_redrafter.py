@@ -283,19 +283,21 @@ def check_second_token_distribution(lm, engine, prompt, temperature, top_p, opti
     assert df >= 5 and chi2 < critical, (chi2, df)
 
 
-def test_the_cli_help_states_the_strategy_s_own_defaults():
-    from mlx_specdec.cli.args import METHOD_SETTINGS
+def test_the_registry_and_the_cli_help_state_the_strategy_s_own_defaults():
     import importlib
 
-    r = importlib.import_module("mlx_specdec.decoding.redrafter")  # the module, not the strategy function
+    from mlx_specdec.cli import build_parser
+    from mlx_specdec.settings import METHODS
 
-    helps = {name: text for method, name, _, text, _ in METHOD_SETTINGS if method == "redrafter"}
-    assert f"(default: {r.DEFAULT_BEAM_WIDTH})" in helps["beam_width"]
-    assert f"(default: {r.DEFAULT_BEAM_LENGTH})" in helps["beam_length"]
-    assert f"(default: {r.DEFAULT_DRAFT_CUTOFF:g})" in helps["draft_cutoff"]
-    assert f"(default: {r.DEFAULT_DEEPEN_REACH:g})" in helps["deepen_reach"]
-    assert f"(default: {r.DEFAULT_LOOKUP})" in helps["lookup"]
-    assert f"(default: {'on' if r.DEFAULT_DRAFT_TRUST else 'off'})" in helps["draft_trust"]
+    r = importlib.import_module("mlx_specdec.decoding.redrafter")  # the module, not the strategy function
+    spec = METHODS["redrafter"]
+    for name in ("beam_width", "beam_length", "draft_cutoff", "deepen_reach", "lookup", "draft_trust"):
+        assert spec.setting(name).default == getattr(r, "DEFAULT_" + name.upper()), name
+    generate = build_parser()._subparsers._group_actions[0].choices["generate"]
+    helps = {a.dest: a.help for a in generate._actions}
+    assert f"default: {r.DEFAULT_BEAM_WIDTH})" in helps["beam_width"]
+    assert f"default: {r.DEFAULT_DRAFT_CUTOFF})" in helps["draft_cutoff"]
+    assert f"default: {'on' if r.DEFAULT_DRAFT_TRUST else 'off'})" in dict(generate.expert_help)["--draft-trust"]
 
 
 def test_drafter_none_from_the_command_line_means_no_head(tmp_path):

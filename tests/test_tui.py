@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from mlx_specdec.decoding.redrafter import DEFAULT_DRAFT_CUTOFF
+from mlx_specdec.settings import resolve
 
 pytest.importorskip("textual")
 
@@ -281,7 +282,8 @@ def test_settings_choose_method_and_options_per_conversation(tmp_path):
             await until(pilot, lambda: app.current is None)
             call = engine.calls[-1]
             assert call["method"] == "redrafter"
-            assert call["params"].options == {"beam_width": 3, "beam_length": 4, "draft_cutoff": DEFAULT_DRAFT_CUTOFF}
+            assert call["params"].options == resolve("redrafter", {"beam_width": 3, "beam_length": 4})
+            assert call["params"].options["draft_cutoff"] == DEFAULT_DRAFT_CUTOFF
             assert call["params"].max_tokens == 6
             # a bad value is refused with a notification; the screen stays open
             await pilot.press("ctrl+o")

@@ -15,6 +15,7 @@ pytest.importorskip("textual")
 
 from mlx_specdec.decoding.base import Event, GenerationStats  # noqa: E402
 from mlx_specdec.decoding.triforce import BOTTOMS  # noqa: E402
+from mlx_specdec.settings import resolve  # noqa: E402
 from tui.app import ChatApp  # noqa: E402
 from tui.fake import PLAIN_ANSWER, FakeEngine  # noqa: E402
 from tui.store import Store  # noqa: E402
@@ -247,7 +248,7 @@ def test_triforce_is_chosen_in_ctrl_o_with_its_budget_and_reaches_the_params(tmp
             await ask(pilot, "Why is the sky blue?")
             call = engine.calls[-1]
             assert call["method"] == "triforce"
-            assert call["params"].options == {"budget": 256, "gamma": 4, "bottom": "none"}
+            assert call["params"].options == resolve("triforce", {"budget": 256, "gamma": 4, "bottom": "none"})
             assert "TriForce done" in str(app.status.render())
             await pilot.press("ctrl+o")  # a budget below the engine's minimum is refused on Save
             await pilot.pause(0.05)
@@ -255,7 +256,7 @@ def test_triforce_is_chosen_in_ctrl_o_with_its_budget_and_reaches_the_params(tmp
             await pilot.click("#save")
             await pilot.pause(0.05)
             assert app.screen.__class__.__name__ == "SettingsScreen"
-            assert any("budget must be at least 16" in n.message for n in app._notifications)
+            assert any("budget takes a whole number from 16" in n.message for n in app._notifications)
             await pilot.press("escape")
 
     asyncio.run(run())

@@ -8,89 +8,63 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, Select, Static
+from textual.widgets import Button, Collapsible, Input, Label, Select, Static
 
-from mlx_specdec.decoding.redrafter import DEFAULT_BEAM_LENGTH, DEFAULT_BEAM_WIDTH, DEFAULT_DRAFT_CUTOFF
-from mlx_specdec.decoding.triforce import BOTTOMS, DEFAULT_BUDGET, DEFAULT_GAMMA
+from mlx_specdec.settings import METHODS, SAMPLING, Setting, SettingError
 
 from .widgets import METHOD_LABELS
 
-#: (key, label, kind, default, methods it applies to; None = all). A kind that is a tuple of
-#: strings is a choice among them (a select box).
-FIELDS: List[Tuple[str, str, object, object, Optional[Tuple[str, ...]]]] = [
-    ("max_tokens", "max tokens", int, 512, None),
-    ("temperature", "temperature (0 = greedy)", float, 0.0, None),
-    ("top_p", "top-p", float, 1.0, None),
-    ("seed", "seed (empty = random)", int, None, None),
-    ("beam_width", "beam width W", int, DEFAULT_BEAM_WIDTH, ("redrafter",)),
-    ("beam_length", "beam length L", int, DEFAULT_BEAM_LENGTH, ("redrafter",)),
-    ("draft_cutoff", "draft cutoff (0: all)", float, DEFAULT_DRAFT_CUTOFF, ("redrafter",)),
-    ("max_threads", "max live threads", int, 32, ("apar",)),
-    ("max_depth", "max fork depth (0: none)", int, 2, ("apar",)),
-    ("budget", "budget", int, DEFAULT_BUDGET, ("triforce",)),
-    ("gamma", "gamma γ", int, DEFAULT_GAMMA, ("triforce",)),
-    ("bottom", "bottom level", tuple(BOTTOMS), "ngram" if "ngram" in BOTTOMS else BOTTOMS[0], ("triforce",)),
-]
-#: settings passed as `GenerationParams.options` (method-specific), per method
-METHOD_OPTIONS = {"redrafter": ("beam_width", "beam_length", "draft_cutoff"), "apar": ("max_threads", "max_depth"),
-                  "triforce": ("budget", "gamma", "bottom")}
-#: the smallest retrieval budget the engine's triforce takes
-MIN_BUDGET = 16
-DEFAULT_SETTINGS: Dict[str, object] = {k: d for k, _, _, d, _ in FIELDS}
+#: the chat's sampling fields (the registry's, with the chat's own longer default answer)
+CHAT_DEFAULTS = {"max_tokens": 512}
+SAMPLING_FIELDS: Tuple[Setting, ...] = SAMPLING
+#: every setting a conversation keeps, with its default (method settings as the registry declares them)
+DEFAULT_SETTINGS: Dict[str, object] = {
+    **{s.name: CHAT_DEFAULTS.get(s.name, s.default) for s in SAMPLING},
+    **{s.name: s.default for m in METHODS.values() for s in m.settings},
+}
 
 
-def parse_settings(raw: Dict[str, str]) -> Dict[str, object]:
-    """Text fields -> typed settings; ValueError with a readable line on bad input."""
-    out: Dict[str, object] = {}
-    for key, label, kind, default, _ in FIELDS:
-        text = str(raw.get(key) or "").strip()
-        if isinstance(kind, tuple):
-            if text not in kind:
-                raise ValueError(f"{label} is {' or '.join(kind)}, not {text!r}")
-            out[key] = text
+def method_fields(method: str) -> Tuple[Setting, ...]:
+    spec = METHODS.get(method)
+    return spec.settings if spec else ()
+
+
+def parse_settings(raw: Dict[str, str], method: str, current: Optional[dict] = None) -> Dict[str, object]:
+    """The screen's text fields (sampling + this method's) -> typed settings, the other methods'
+    kept from `current`; ValueError with a readable line on bad input (the registry's wording)."""
+    out: Dict[str, object] = {**DEFAULT_SETTINGS, **(current or {})}
+    for setting in SAMPLING_FIELDS + method_fields(method):
+        if setting.name not in raw:
             continue
-        if not text:
-            if default is not None:
-                raise ValueError(f"{label} is empty")
-            out[key] = None
+        text = str(raw[setting.name] or "").strip()
+        if not text and setting.default is None:
+            out[setting.name] = None
             continue
         try:
-            value = kind(text)
-        except ValueError:
-            raise ValueError(f"{label}: {text!r} is not a {'whole ' if kind is int else ''}number") from None
-        out[key] = value
-    if out["max_tokens"] < 1:
-        raise ValueError("max tokens must be at least 1")
-    if out["temperature"] < 0:
-        raise ValueError("temperature must be >= 0")
-    if not 0 < out["top_p"] <= 1:
-        raise ValueError("top-p must be in (0, 1]")
-    for key in ("beam_width", "max_threads", "gamma"):
-        if out[key] < 1:
-            raise ValueError(f"{key.replace('_', ' ')} must be at least 1")
-    if out["max_depth"] < 0:
-        raise ValueError("max fork depth must be at least 0")
-    if out["beam_length"] < 2:
-        raise ValueError("beam length must be at least 2")
-    if not 0 <= out["draft_cutoff"] <= 1:
-        raise ValueError("draft cutoff must be in [0, 1]")
-    if out["budget"] < MIN_BUDGET:
-        raise ValueError(f"budget must be at least {MIN_BUDGET}")
+            value = setting.parse(text)
+        except SettingError as error:
+            raise ValueError(f"{setting.label} {error.detail}") from None
+        out[setting.name] = setting.show(value) if setting.values else value
     return out
 
 
 class SettingsScreen(ModalScreen[Optional[dict]]):
-    """Method and settings of the current conversation. Returns {'method', 'settings'} or None."""
+    """Method and settings of the current conversation, made from the method registry: the
+    sampling fields, then the chosen method's settings, its expert ones folded. Returns
+    {'method', 'settings'} or None."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
     DEFAULT_CSS = """
     SettingsScreen { align: center middle; }
-    #settings-box { width: 60; max-width: 100%; height: auto; max-height: 100%;
+    #settings-box { width: 64; max-width: 100%; height: auto; max-height: 100%;
                     border: round $accent; background: $surface; padding: 0 1; }
-    #settings-grid { grid-size: 2; grid-columns: 26 1fr; grid-rows: 1; grid-gutter: 0 1; height: auto; }
-    #settings-grid Label { width: 100%; color: $text-muted; }
-    #settings-grid Input, #settings-grid Select { width: 100%; }
-    #settings-grid Input { background: $boost; }
+    #settings-fields { height: 16; }
+    .settings-grid { grid-size: 2; grid-columns: 26 1fr; grid-rows: 1; grid-gutter: 0 1; height: auto; }
+    .settings-grid Label { width: 100%; color: $text-muted; }
+    .settings-grid Input, .settings-grid Select { width: 100%; }
+    .settings-grid Input { background: $boost; }
+    .method-fields { height: auto; }
+    .method-fields Collapsible { padding: 0; border: none; background: $surface; }
     #settings-buttons { height: auto; align: right middle; margin-top: 1; }
     #settings-buttons Button { margin-left: 1; }
     """
@@ -98,29 +72,56 @@ class SettingsScreen(ModalScreen[Optional[dict]]):
     def __init__(self, methods: List[str], method: str, settings: dict):
         super().__init__()
         self.methods = methods
-        self.method = method
+        self.method = method if method in methods else methods[0]
         self.settings = {**DEFAULT_SETTINGS, **settings}
+
+    def _field(self, setting: Setting):
+        yield Label(setting.label, id=f"label-{setting.name}")
+        value = self.settings.get(setting.name)
+        if setting.kind in ("bool", "choice"):
+            choices = setting.choices or ("on", "off")
+            shown = setting.show(value) if setting.kind == "bool" or setting.values else value
+            yield Select([(c, c) for c in choices], value=shown if shown in choices else choices[0],
+                         allow_blank=False, compact=True, id=f"field-{setting.name}")
+        else:
+            yield Input("" if value is None else str(value), compact=True, id=f"field-{setting.name}")
 
     def compose(self) -> ComposeResult:
         with Vertical(id="settings-box") as box:
             box.border_title = "Method and settings (this conversation)"
-            with Grid(id="settings-grid"):
-                yield Label("method")
-                yield Select([(f"{METHOD_LABELS.get(m, m)} ({m})", m) for m in self.methods],
-                             value=self.method if self.method in self.methods else self.methods[0],
-                             allow_blank=False, compact=True, id="method")
-                for key, label, kind, default, methods in FIELDS:
-                    note = f" ({'/'.join(methods)})" if methods else ""
-                    yield Label(label + note)
-                    value = self.settings.get(key)
-                    if isinstance(kind, tuple):
-                        yield Select([(c, c) for c in kind], value=value if value in kind else default,
-                                     allow_blank=False, compact=True, id=f"field-{key}")
-                    else:
-                        yield Input("" if value is None else str(value), compact=True, id=f"field-{key}")
+            yield from self._fields()
             with Horizontal(id="settings-buttons"):
                 yield Button("Cancel", id="cancel", compact=True)
                 yield Button("Save", id="save", variant="primary", compact=True)
+
+    def _fields(self) -> ComposeResult:
+        with VerticalScroll(id="settings-fields"):
+            with Grid(classes="settings-grid"):
+                yield Label("method")
+                yield Select([(f"{METHOD_LABELS.get(m, m)} ({m})", m) for m in self.methods], value=self.method,
+                             allow_blank=False, compact=True, id="method")
+                for setting in SAMPLING_FIELDS:
+                    yield from self._field(setting)
+            for method in self.methods:
+                fields = method_fields(method)
+                if not fields:
+                    continue
+                with Vertical(classes="method-fields", id=f"fields-{method}") as group:
+                    group.display = method == self.method
+                    with Grid(classes="settings-grid"):
+                        for setting in fields:
+                            if not setting.expert:
+                                yield from self._field(setting)
+                    with Collapsible(title=f"{METHOD_LABELS.get(method, method)}: expert settings", collapsed=True):
+                        with Grid(classes="settings-grid"):
+                            for setting in fields:
+                                if setting.expert:
+                                    yield from self._field(setting)
+
+    def on_select_changed(self, event: Select.Changed) -> None:
+        if event.select.id == "method":
+            for group in self.query(".method-fields"):
+                group.display = group.id == f"fields-{event.value}"
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "save":
@@ -135,13 +136,15 @@ class SettingsScreen(ModalScreen[Optional[dict]]):
         self.dismiss(None)
 
     def action_save(self) -> None:
-        raw = {key: self.query_one(f"#field-{key}").value for key, *_ in FIELDS}
+        method = self.query_one("#method", Select).value
+        names = [s.name for s in SAMPLING_FIELDS + method_fields(method)]
+        raw = {name: self.query_one(f"#field-{name}").value for name in names}
         try:
-            settings = parse_settings(raw)
+            settings = parse_settings(raw, method, self.settings)
         except ValueError as exc:
             self.notify(str(exc), title="Setting not saved", severity="error")
             return
-        self.dismiss({"method": self.query_one("#method", Select).value, "settings": settings})
+        self.dismiss({"method": method, "settings": settings})
 
 
 class AttachScreen(ModalScreen[Optional[str]]):

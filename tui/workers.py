@@ -22,7 +22,6 @@ from textual.widgets import ProgressBar, Static
 from .documents import compose
 from .hints import error_line, hint_for
 from .messages import EngineReady, GenEvent, GenFinished, Generation, LoadFailed, LoadProgress
-from .screens import METHOD_OPTIONS
 from .stream import StreamState, default_restore
 from .widgets import MessageView
 
@@ -31,8 +30,10 @@ Loader = Callable[[Callable[[str, int, int], None]], object]
 
 def make_params(settings: dict, method: str):
     from mlx_specdec.decoding.base import GenerationParams
+    from mlx_specdec.settings import METHODS, resolve
 
-    options = {k: settings[k] for k in METHOD_OPTIONS.get(method, ()) if settings.get(k) is not None}
+    names = {s.name for s in METHODS[method].settings} if method in METHODS else set()
+    options = resolve(method, {k: v for k, v in settings.items() if k in names and v is not None})
     return GenerationParams(max_tokens=int(settings.get("max_tokens", 512)),
                             temperature=float(settings.get("temperature", 0.0)),
                             top_p=float(settings.get("top_p", 1.0)), seed=settings.get("seed"),

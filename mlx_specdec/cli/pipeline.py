@@ -9,6 +9,7 @@ from typing import Callable, List, Optional
 
 from ..distributed import METHODS as PIPELINE_METHODS
 from ..errors import UserError
+from .args import expert_argument
 
 
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:
@@ -17,31 +18,32 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
                    help="start N local ranks (processes) with mlx.launch, each holding a slice of the layers")
     g.add_argument("--hostfile", default=None,
                    help="an mlx.launch hostfile (JSON): one rank per Mac, over Ethernet or Thunderbolt (README)")
-    g.add_argument("--split", default=None,
-                   help="layers per rank, comma-separated (e.g. 14,16); default: even, leftovers on the last ranks")
-    g.add_argument("--pp-drafter", default="auto", choices=["auto", "ngram", "head", "none"],
-                   help="the head's drafts: head (the ReDrafter head), ngram (prompt lookup) or none; auto = "
-                        "the head where the model has one, else ngram (default: %(default)s)")
-    g.add_argument("--pp-draft-length", type=int, default=4, help="pp-spec: drafts per verify (default: 4)")
-    g.add_argument("--micro-batch", type=int, default=2,
-                   help="pipeinfer: tokens per speculative run, 1-4 in the paper (default: 2)")
-    g.add_argument("--max-runs", type=int, default=1,
-                   help="pipeinfer: speculative runs in flight besides the known token's (default: 1; measured "
-                        "best on 2 ranks, where more only queue behind the last stage)")
-    g.add_argument("--p-accept", type=float, default=0.4,
-                   help="pipeinfer: confidence cutoff, a draft below it is not sent (the head's own probability; "
-                        "n-gram drafts: their running acceptance) (default: 0.4; measured: 0.99x of pp-spec with "
-                        "70 runs cancelled, against 0.92x and 222 at 0)")
-    g.add_argument("--p-recovery", type=float, default=0.0,
-                   help="pipeinfer: cutoff += this per run launched while waiting (default: 0)")
-    g.add_argument("--p-decay", type=float, default=0.0,
-                   help="pipeinfer: cutoff -= this per draft attempt that found nothing (default: 0)")
-    g.add_argument("--link-latency-ms", type=float, default=0.0,
-                   help="add this delay to every message between ranks (stands in for a network; default: 0)")
-    g.add_argument("--link-gbps", type=float, default=0.0,
-                   help="and carry messages at this bandwidth (Gbit/s; 0 = as fast as the loopback)")
-    g.add_argument("--rank-timeout", type=float, default=60.0,
-                   help="seconds a rank may stay silent before the run ends with one line (default: 60)")
+    expert = [
+        (("--split",), dict(default=None), "layers per rank, comma-separated (e.g. 14,16); default: even, "
+         "leftovers on the last ranks"),
+        (("--pp-drafter",), dict(default="auto", choices=["auto", "ngram", "head", "none"]),
+         "the first rank's drafts: head (the ReDrafter head), ngram (prompt lookup) or none; auto = the head "
+         "where the model has one, else ngram (default: auto)"),
+        (("--pp-draft-length",), dict(type=int, default=4), "pp-spec: drafts per verify (default: 4)"),
+        (("--micro-batch",), dict(type=int, default=2), "pipeinfer: tokens per speculative run, 1-16 (default: 2)"),
+        (("--max-runs",), dict(type=int, default=1),
+         "pipeinfer: speculative runs in flight besides the known token's (default: 1)"),
+        (("--p-accept",), dict(type=float, default=0.4),
+         "pipeinfer: confidence cutoff; a draft below it is not sent (the head's own probability; n-gram "
+         "drafts: their running acceptance) (default: 0.4)"),
+        (("--p-recovery",), dict(type=float, default=0.0),
+         "pipeinfer: cutoff += this per run launched while waiting (default: 0)"),
+        (("--p-decay",), dict(type=float, default=0.0),
+         "pipeinfer: cutoff -= this per draft attempt that found nothing (default: 0)"),
+        (("--link-latency-ms",), dict(type=float, default=0.0),
+         "add this delay to every message between ranks (stands in for a network; default: 0)"),
+        (("--link-gbps",), dict(type=float, default=0.0),
+         "and carry messages at this bandwidth (Gbit/s; 0 = as fast as the loopback)"),
+        (("--rank-timeout",), dict(type=float, default=60.0),
+         "seconds a rank may stay silent before the run ends with one line (default: 60)"),
+    ]
+    for flags, kwargs, text in expert:
+        expert_argument(p, *flags, help=f"pipeline: {text}", **kwargs)
 
 
 def check_pipeline_args(args) -> None:

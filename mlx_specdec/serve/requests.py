@@ -6,7 +6,8 @@
 413 for a prompt past the context window. Standard fields: model, messages (chat) or prompt
 (completions), max_tokens / max_completion_tokens, temperature, top_p, seed, stop, stream,
 stream_options.include_usage, n (1 only). Extensions: `method` (ar, redrafter, apar, triforce, ...)
-and that method's settings by their option names (beam_width, budget, ...).
+and that method's settings by their names (beam_width, budget, ...), parsed and bounded by the
+method registry (settings.py), as the CLI parses its flags: a bad value is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -15,11 +16,9 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from ..decoding import GenerationParams
+from ..settings import SAMPLING, SettingError, all_settings, resolve
 
 DEFAULT_MAX_TOKENS = 256
-METHOD_OPTIONS = {"beam_width", "beam_length", "draft_cutoff", "max_threads", "max_depth", "fork_probe", "budget",
-                  "gamma", "bottom", "draft_length", "middle_cache", "score_window", "score_reduce",
-                  "rebuild_stride", "rebuild_below", "lookup", "verify_cost"}
 
 
 class ApiError(Exception):
@@ -41,17 +40,17 @@ class Request:
     include_usage: bool
 
 
-def _number(body: dict, name: str, kind, low=None, high=None, low_open=False):
-    value = body.get(name)
+def _sampling(body: dict, name: str, field: Optional[str] = None):
+    """A sampling field by the registry's type and bounds (None when absent)."""
+    field = field or name
+    value = body.get(field)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise ApiError(400, f"'{name}' must be {'an integer' if kind is int else 'a number'}", name)
-    if low is not None and (value <= low if low_open else value < low):
-        raise ApiError(400, f"'{name}' must be {'greater than' if low_open else 'at least'} {low}", name)
-    if high is not None and value > high:
-        raise ApiError(400, f"'{name}' must be at most {high}", name)
-    return kind(value)
+    setting = next(s for s in SAMPLING if s.name == name)
+    try:
+        return setting.parse(value, json=True)
+    except SettingError as error:
+        raise ApiError(400, f"'{field}' {error.detail}", field) from None
 
 
 def _messages(body: dict) -> List[Dict[str, str]]:
@@ -81,16 +80,13 @@ def parse(body, lm, model_id: str, methods: List[str], default_method: str, chat
     if model is not None and model != model_id:
         raise ApiError(404, f"the model '{model}' does not exist here; this server serves '{model_id}'", "model",
                        code="model_not_found")
-    n = _number(body, "n", int, 1, 1)
-    if n not in (None, 1):
+    n = body.get("n")
+    if n is not None and (type(n) is not int or n != 1):
         raise ApiError(400, "'n' must be 1", "n")
-    max_tokens = _number(body, "max_completion_tokens", int) or _number(body, "max_tokens", int)
-    for name in ("max_completion_tokens", "max_tokens"):
-        if body.get(name) is not None and body[name] <= 0:
-            raise ApiError(400, f"'{name}' must be positive", name)
-    temperature = _number(body, "temperature", float, 0.0, 2.0)
-    top_p = _number(body, "top_p", float, 0.0, 1.0, low_open=True)
-    seed = _number(body, "seed", int)
+    max_tokens = _sampling(body, "max_tokens", "max_completion_tokens") or _sampling(body, "max_tokens")
+    temperature = _sampling(body, "temperature")
+    top_p = _sampling(body, "top_p")
+    seed = _sampling(body, "seed")
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -100,9 +96,13 @@ def parse(body, lm, model_id: str, methods: List[str], default_method: str, chat
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be a boolean", "stream")
     method = body.get("method", default_method)
-    if method not in methods:
-        raise ApiError(400, f"unknown method '{method}' (this server runs {', '.join(methods)})", "method")
-    options = {k: v for k, v in body.items() if k in METHOD_OPTIONS}
+    if not isinstance(method, str) or method not in methods:
+        raise ApiError(400, f"unknown method {method!r} (this server runs {', '.join(methods)})", "method")
+    known = all_settings()
+    try:
+        options = resolve(method, {k: v for k, v in body.items() if k in known}, json=True)
+    except SettingError as error:
+        raise ApiError(400, f"'{error.name}' {error.detail}", error.name) from None
     if chat:
         ids = lm.encode_chat(_messages(body))
     else:

@@ -25,6 +25,7 @@ from typing import Callable, Deque, List, Optional
 
 from ..decoding import Event, GenerationParams
 from ..engine import BATCH_METHODS
+from ..settings import batch_key
 
 DONE = object()  # the end of a job's events
 
@@ -46,8 +47,7 @@ class Job:
         p = self.params
         if self.method not in BATCH_METHODS or (not p.greedy and p.seed is not None):
             return None
-        return (self.method, p.greedy, p.temperature if not p.greedy else 0.0, p.top_p, p.prefill_chunk,
-                repr(sorted(p.options.items())))
+        return batch_key(self.method, p)
 
 
 class GenerationWorker:
