@@ -30,14 +30,14 @@ Loader = Callable[[Callable[[str, int, int], None]], object]
 
 def make_params(settings: dict, method: str):
     from mlx_specdec.decoding.base import GenerationParams
-    from mlx_specdec.settings import METHODS, resolve
+    from mlx_specdec.settings import METHODS, SAMPLING, resolve
+
+    from .screens import DEFAULT_SETTINGS
 
     names = {s.name for s in METHODS[method].settings} if method in METHODS else set()
     options = resolve(method, {k: v for k, v in settings.items() if k in names and v is not None})
-    return GenerationParams(max_tokens=int(settings.get("max_tokens", 512)),
-                            temperature=float(settings.get("temperature", 0.0)),
-                            top_p=float(settings.get("top_p", 1.0)), seed=settings.get("seed"),
-                            options=options)
+    sampling = {s.name: settings.get(s.name, DEFAULT_SETTINGS[s.name]) for s in SAMPLING}
+    return GenerationParams(**{k: v for k, v in sampling.items() if v is not None}, options=options)
 
 
 def engine_decoder(engine) -> Optional[Callable[[List[int]], str]]:

@@ -116,8 +116,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> Non
     p.add_argument("--method", default="ar", help=f"decoding method: {METHODS_HELP} (default: ar)")
     for s in SAMPLING:
         default = max_tokens if s.name == "max_tokens" else s.default
-        p.add_argument(*s.cli_flags, dest="temp" if s.name == "temperature" else s.name,
-                       type=int if s.kind == "int" else float, default=default,
+        p.add_argument(*s.cli_flags, type=int if s.kind == "int" else float, default=default,
                        help=f"{s.help} ({s.bounds()}; default: {'none' if default is None else default})")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
@@ -127,7 +126,7 @@ def _params(args):
     from ..decoding import GenerationParams
     from ..settings import SAMPLING
 
-    given = {"max_tokens": args.max_tokens, "temperature": args.temp, "top_p": args.top_p, "seed": args.seed}
+    given = {s.name: getattr(args, s.cli_flags[0][2:].replace("-", "_")) for s in SAMPLING}
     sampling = {s.name: _parse(s, given[s.name]) for s in SAMPLING if given[s.name] is not None}
     return GenerationParams(**sampling, stop=tuple(args.stop), options=_method_options(args))
 

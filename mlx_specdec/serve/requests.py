@@ -83,10 +83,8 @@ def parse(body, lm, model_id: str, methods: List[str], default_method: str, chat
     n = body.get("n")
     if n is not None and (type(n) is not int or n != 1):
         raise ApiError(400, "'n' must be 1", "n")
-    max_tokens = _sampling(body, "max_tokens", "max_completion_tokens") or _sampling(body, "max_tokens")
-    temperature = _sampling(body, "temperature")
-    top_p = _sampling(body, "top_p")
-    seed = _sampling(body, "seed")
+    sampling = {s.name: _sampling(body, s.name) for s in SAMPLING}
+    sampling["max_tokens"] = _sampling(body, "max_tokens", "max_completion_tokens") or sampling["max_tokens"]
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -113,12 +111,12 @@ def parse(body, lm, model_id: str, methods: List[str], default_method: str, chat
             raise ApiError(400, "'prompt' must be a non-empty string", "prompt")
         ids = lm.encode_prompt(prompt, chat=False)
     window = lm.context_length
-    wanted = max_tokens or DEFAULT_MAX_TOKENS
+    wanted = sampling.pop("max_tokens") or DEFAULT_MAX_TOKENS
     if len(ids) >= window:
         raise ApiError(413, f"the prompt has {len(ids)} tokens; the context window of {model_id} is {window}",
                        "messages" if chat else "prompt", code="context_length_exceeded")
-    params = GenerationParams(max_tokens=min(wanted, window - len(ids)), temperature=temperature or 0.0,
-                              top_p=top_p if top_p is not None else 1.0, seed=seed, stop=tuple(stop or ()),
-                              options=options)
+    given = {name: value for name, value in sampling.items() if value is not None}
+    params = GenerationParams(max_tokens=min(wanted, window - len(ids)), stop=tuple(stop or ()), options=options,
+                              **given)
     include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
     return Request(ids, method, params, stream, include_usage)
