@@ -3,10 +3,9 @@
 glibc serves every allocation above its mmap threshold (128 KB, growing to at most 32 MB) with a
 fresh `mmap`, and gives it back with `munmap` when freed. MLX on the CPU allocates each
 intermediate array with malloc, so every score matrix of a long-context attention (a 6-token
-verify over 8K keys: 1.7 MB per array; a prefill chunk: hundreds of MB) arrived as untouched
-pages and paid a page fault per 4 KB on first write. Measured here (2-core VM, 1.7M float32
-elements): the fused fast exp took 18.7 ms with glibc's defaults and 5.0 ms with the threshold
-raised to 1 GB; 20M elements 327 ms and 62 ms (benchmarks/results/attention_cost_cpu.md).
+verify over 8K keys: megabytes per array; a prefill chunk: hundreds of MB) arrived as untouched
+pages and paid a page fault per 4 KB on first write. For an elementwise kernel such as the fused
+fast exp those faults cost several times the arithmetic (see docs/cpu-backend.md).
 
 Raising the mmap threshold (and the trim threshold, so freed heap is not returned either) keeps
 those pages mapped for the next array. The cost: the process keeps its peak heap until it exits

@@ -1,15 +1,15 @@
 """Load the system OpenBLAS before MLX on Linux, with a small-row GEMM in front of it.
 
 The Linux `mlx-cpu` wheel links a reference BLAS. Loading OpenBLAS first with RTLD_GLOBAL makes
-its `cblas_sgemm` win symbol resolution: a 64x576x1536 float32 matmul went from 36 ms to 2.7 ms
-here and SmolLM2-135M prefill got 11x faster (../shared/design.md). This must run before the
-first `import mlx.core`, so `mlx_specdec/__init__.py` imports it first.
+its `cblas_sgemm` win symbol resolution, and float32 matmuls (prefill above all) get an order of
+magnitude faster. This must run before the first `import mlx.core`, so `mlx_specdec/__init__.py`
+imports it first.
 
 A decoding step multiplies 1-8 rows by each weight matrix, and OpenBLAS 0.3.21 runs that as a full
 GEMM that packs the weights first. `native/small_gemm.c` defines a `cblas_sgemm` of its own, loaded
 before OpenBLAS so that MLX's calls reach it: products of at most 64 rows it computes streaming each
-weight row once (memory-bound: the default model's one-token forward 55 -> 34 ms on a 2-core VM;
-benchmarks/results/small_gemm.md), every other call it hands to OpenBLAS unchanged. It is compiled
+weight row once (a step is memory-bound, so this shortens a one-token forward by about a third;
+see docs/cpu-backend.md), every other call it hands to OpenBLAS unchanged. It is compiled
 once per machine (gcc or cc, -O3 -march=native -fopenmp) into the user cache; without a compiler, or
 with MLX_SPECDEC_NO_SMALL_GEMM=1, OpenBLAS does everything as before.
 """

@@ -2,21 +2,20 @@
 
 MLX fuses elementwise ops on the CPU (`mx.compile`, and mlx-lm's SwiGLU is compiled) into C++ it
 builds at run time with `g++ -std=c++17 -O3 -fPIC -shared`: no -mfma, so every `fma` in MLX's
-`exp` is a call into libm, and `floor` another. The MLP's `silu(gate) * up` then costs ~18 ns an
-element: ~4 ms of a 5-token verify's ~45 ms here, ~0.4 ms of a one-token forward, so it was a
-large part of what a verify costs beyond one token (benchmarks/results/jit_flags.md).
+`exp` is a call into libm, and `floor` another. The MLP's `silu(gate) * up` is then slow per
+element, and it grows with the query count: a large part of what a verify costs beyond one token.
 
 On Linux x86-64 CPUs with AVX2, FMA and F16C this puts a `g++` in front of the system's that adds
 `-mavx2 -mfma -mf16c -ffp-contract=off` (what newer MLX adds itself, less the contraction: with
--mfma alone GCC fuses `a * b + c` in MLX's `exp`, and the logits moved by 3e-5), and
+-mfma alone GCC fuses `a * b + c` in MLX's `exp`, and the logits' bits change), and
 `-fno-trapping-math -finline-limit=300` (below: `exp` inlined, the loops vectorized). Each
 operation then rounds exactly as before, so every kernel returns the same bits
-(tests/test_jit_flags.py); a 5-token forward's 30 SwiGLU kernels ran ~2.5x faster with the first
-four flags and ~5x faster again with all six (4.8 -> 0.9 ns an element). MLX keeps the libraries
-it builds under `$TMPDIR/mlx/<version>/cpu` and reuses any it finds, so the process's TMPDIR points
-to a folder of our own in the user cache (keyed by CPU, compiler and flags); Python's `tempfile`
-keeps the system's temporary folder. `MLX_SPECDEC_NO_JIT_FLAGS=1` leaves MLX as it is. Runs before MLX
-loads (`mlx_specdec/__init__.py`).
+(tests/test_jit_flags.py), and the SwiGLU kernels run many times faster (with the first four
+flags `fma` is an instruction instead of a libm call, with the last two the loop is vectorized;
+see docs/cpu-backend.md). MLX keeps the libraries it builds under `$TMPDIR/mlx/<version>/cpu`
+and reuses any it finds, so the process's TMPDIR points to a folder of our own in the user cache
+(keyed by CPU, compiler and flags); Python's `tempfile` keeps the system's temporary folder.
+`MLX_SPECDEC_NO_JIT_FLAGS=1` leaves MLX as it is. Runs before MLX loads (`mlx_specdec/__init__.py`).
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from ._blas import _cache_dir, _cpu_signature
 # -finline-limit lets GCC inline MLX's `exp` into the kernel's loop (it stays a call through the PLT
 # otherwise) and -fno-trapping-math lets it turn the loop's selects into blends: the loop is then
 # vectorized, 8 elements at a time. Neither flag changes a result (no contraction, no fast-math:
-# only which floating-point exception flags a kernel may raise); the SwiGLU kernel ~5x faster again.
+# only which floating-point exception flags a kernel may raise).
 JIT_FLAGS = ("-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-trapping-math", "-finline-limit=300")
 NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")
 SYSTEM_TMPDIR = "MLX_SPECDEC_SYSTEM_TMPDIR"  # the temporary folder before ours, for child processes

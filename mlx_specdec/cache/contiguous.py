@@ -149,8 +149,8 @@ class ContiguousKVCache(LayeredCache):
         if all(_in_place(k) for k in kept_rows):
             # Every row's accepted path is already where it would be moved to (a chain, a plain
             # step, beam 0 of a tree): only the offset moves. A gather-and-write here copies the
-            # whole cache buffer (it reads the buffer it writes, so MLX cannot update it in place):
-            # 37 ms a step at 6K tokens, a third of a plain step (benchmarks/results/cache_keep_6k.md).
+            # whole cache buffer (it reads the buffer it writes, so MLX cannot update it in place),
+            # which over a long cache costs a large share of a plain step.
             # Shorter rows' holes then hold their rejected drafts instead of a repeated kept
             # token: masked out all the same.
             self._keep_first(start, width)

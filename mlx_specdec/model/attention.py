@@ -1,31 +1,29 @@
 """Attention over the KV cache: MLX's fused kernel; on the CPU its own ops compiled, or a grouped one.
 
 On Metal `mx.fast.scaled_dot_product_attention` is a fused kernel: it is always used there. On
-the CPU it is composed from ops, and over a long cache its softmax dominates: MLX's CPU `exp`
-costs ~12 ns an element, so 6 queries x 9 heads over 8K keys spend ~5 ms per layer in `exp`
-alone, against ~1.2 ms for both matmuls (benchmarks/results/attention_cost_cpu.md). The grouped
-path computes the same attention with
+the CPU it is composed from ops, and over a long cache its softmax dominates: MLX's prebuilt CPU
+`exp` is slow per element, so a verify over thousands of keys spends far more time in `exp` than
+in both matmuls together. The grouped path computes the same attention with
 
 - the query heads of one KV head stacked into one matrix, so each KV head is read once for all
   its G query heads and all T query tokens: scores (B, Hkv, G*T, S) = one GEMM per KV head;
 - `exp` as 2^n * e^r (x = n ln 2 + r, e^r by a degree-7 polynomial), fused by `mx.compile`
-  into one elementwise kernel: relative error < 2e-7 (float32), 4-5x faster here;
+  into one elementwise kernel: relative error < 2e-7 (float32), several times faster than MLX's;
 - the normalisation after the value matmul: (e @ V) / sum(e), T x D divisions instead of T x S.
 
-It is used only where measured to pay (`use_grouped`): on the CPU with at least
-`GROUPED_MIN_KEYS` keys, for what `exact_attention` does not take (float16 and bfloat16, or all of
-it with MLX_SPECDEC_OP_BY_OP=1). Both compute softmax(Q K^T * scale + mask) V; they differ by
-float rounding (measured max |diff| in benchmarks/results/attention_cost_cpu.md).
+It is used only where it pays (`use_grouped`): on the CPU with at least `GROUPED_MIN_KEYS` keys,
+for what `exact_attention` does not take (float16 and bfloat16, or all of it with
+MLX_SPECDEC_OP_BY_OP=1). Both compute softmax(Q K^T * scale + mask) V; they differ by float
+rounding.
 
 On the CPU in float32, every forward of 2+ queries (a verify, a prefill chunk) and every one-query
-step over 300+ keys runs MLX's own attention as `exact_attention`: the ops of its fallback in the
-same order as one compiled graph, its softmax the same arithmetic (`_softmax`), the query heads of
-a KV head as the rows of one product where the small-row GEMM gives them the same bits. The bits
-are MLX's (so `ar` matches mlx-lm at every length); the softmax's `exp` is vectorized by the JIT
-(mlx_specdec/_jit.py) where MLX's prebuilt one takes ~14 ns an element: forwards of 3-8 tokens
-0.93-0.98x the time after 150 tokens, 0.80-0.91x after 600, and 0.77-0.96x the grouped path's
-after 2,000 and 6,000 tokens (one token 0.87-0.91x), a 3,072-token prefill 0.88x
-(benchmarks/results/issue18_stop39.md).
+step over EXACT_ONE_QUERY_MIN_KEYS+ keys runs MLX's own attention as `exact_attention`: the ops of
+its fallback in the same order as one compiled graph, its softmax the same arithmetic
+(`_softmax`), the query heads of a KV head as the rows of one product where the small-row GEMM
+gives them the same bits. The bits are MLX's (so `ar` matches mlx-lm at every length), and it is
+faster than MLX's own op: the softmax's `exp` is vectorized by the JIT (mlx_specdec/_jit.py)
+where MLX's prebuilt one is not, and it beats the grouped path too, over long caches and in
+prefill. The measurements behind these thresholds: see docs/cpu-backend.md.
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ from .device import on_cuda
 
 Mask = Union[None, str, mx.array]
 
-# Chosen by benchmarks/attention_cost.py on the 2-core CPU (benchmarks/results/attention_cost_cpu.md).
+# Thresholds chosen by timing both paths on the CPU (benchmarks/attention_cost.py).
 GROUPED_MIN_KEYS = 1024  # fewer keys: the fused op is as fast
 # MLX_SPECDEC_OP_BY_OP=1: MLX's own attention op (and the grouped path over long caches) instead.
 # Only on x86-64, where MLX's CPU kernels have no SIMD types and its softmax sums a row in order as
@@ -84,7 +82,7 @@ _exp_parts_fused = mx.compile(_shifted_exp_parts, shapeless=True)
 
 def fast_exp(x: mx.array, shift: float | mx.array = 0.0) -> mx.array:
     """e^(x - shift) for x <= shift (shift broadcasts: a row maximum), relative error < 2e-7;
-    ~5x MLX's CPU `exp` here (0.9 vs 5.2 ms over 432K elements). The subtraction is fused in."""
+    several times faster than MLX's CPU `exp`. The subtraction is fused in."""
     p, bits = _exp_parts_fused(x, mx.array(shift, dtype=mx.float32) if not isinstance(shift, mx.array) else shift)
     return p * mx.view(bits, mx.float32)
 
@@ -95,13 +93,12 @@ def _grouped_for(queries: int, keys: int, dtype: mx.Dtype) -> bool:
 
 
 #: On CUDA, MLX 0.32's fused attention over more than one query runs a cuDNN graph built for each
-#: (queries, keys) shape (25 ms against a 4 ms forward on an H200: benchmarks/results/issue18_h200_cuda/),
-#: and a verify meets a new key count every step. The composed path instead paid per-shape costs
-#: of its own (redrafter 0.41x of `ar` in every repeat, 2026-11-26). So a verify (up to this many
-#: queries) pads its keys, masked out, to a multiple of CUDA_KEY_BUCKET: one graph per bucket. (A
-#: chain attending per query with MLX's one-query kernel instead was ~10% cheaper over 150 keys and
-#: 20-65% dearer over 1000: issue18_h200_cuda/lease4_verify_ab_f16_per_query.md.) The forward reads
-#: the bucket straight from a contiguous cache's buffer, its mask built once (`verify_key_bucket`).
+#: (queries, keys) shape, which costs several forwards' time, and a verify meets a new key count
+#: every step; the composed path has per-shape costs of its own. So a verify (up to this many
+#: queries) pads its keys, masked out, to a multiple of CUDA_KEY_BUCKET: one graph per bucket.
+#: (Attending per query with MLX's one-query kernel instead only pays over short caches.) The
+#: forward reads the bucket straight from a contiguous cache's buffer, its mask built once
+#: (`verify_key_bucket`).
 CUDA_VERIFY_MAX_QUERIES = 64
 CUDA_KEY_BUCKET = 256
 
@@ -111,9 +108,9 @@ def _verify_on_cuda(queries: int) -> bool:
 
 
 def use_grouped(queries: mx.array, keys: mx.array) -> bool:
-    """The grouped path only where it was measured to pay: the CPU and a long cache (any number
-    of queries: a one-token step, a verify, a prefill chunk; benchmarks/results/attention_cost_cpu.md),
-    for what `exact_attention` does not take (float16, bfloat16, or with it switched off)."""
+    """The grouped path only where it pays: the CPU and a long cache (any number of queries: a
+    one-token step, a verify, a prefill chunk), for what `exact_attention` does not take (float16,
+    bfloat16, or with it switched off)."""
     return _grouped_for(queries.shape[2], keys.shape[2], queries.dtype)
 
 
@@ -279,8 +276,8 @@ def _scale_array(scale: float) -> mx.array:
 
 def _exact_for(queries: int, keys: int, dtype: mx.Dtype = mx.float32) -> bool:
     """MLX's attention as `exact_attention`: the CPU, float32, 2+ queries or one over at least
-    EXACT_ONE_QUERY_MIN_KEYS keys (fewer: MLX's op is as fast, measured), at any length (it beat
-    the grouped path after 2,000 and 6,000 tokens, prefill included); EXACT_ATTENTION on."""
+    EXACT_ONE_QUERY_MIN_KEYS keys (fewer: MLX's op is as fast), at any length (it beats the
+    grouped path over long caches too, prefill included); EXACT_ATTENTION on."""
     return ((queries > 1 or keys >= EXACT_ONE_QUERY_MIN_KEYS) and dtype == mx.float32
             and mx.default_device() == mx.cpu and EXACT_ATTENTION)
 

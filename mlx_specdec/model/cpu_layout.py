@@ -3,13 +3,9 @@
 An `nn.Linear` computes `x @ W.T` with W (out, in). Stored row-major (as mlx-lm loads it) that
 reaches OpenBLAS as an "NT" GEMM; stored column-major (`contiguous(W.T).T`: the same shape and
 values, its memory holding W.T row-major) as an "NN" one. Which is faster for the few rows a
-decoding step has depends on the CPU and the OpenBLAS kernels it picks, and by a lot:
-
-    one-token forward of the default model after 150 tokens   row-major   column-major
-    a 2-core x86 VM (benchmarks/results/cpu_weight_layout.md)     66.0 ms      55.2 ms
-    a 2-core AMD EPYC VM, AVX-512 kernels (cpu_layout_choice.md)   54.9 ms      74.2 ms
-
-(on the second the tied vocabulary projection alone: 8.3 vs 15.8 ms). So the layout is measured
+decoding step has depends on the CPU and the OpenBLAS kernels it picks, and by a lot: on one
+x86 machine column-major is clearly faster, on another (with AVX-512 kernels) clearly slower,
+the tied vocabulary projection most of all (see docs/cpu-backend.md). So the layout is measured
 on the machine, like ReDrafter's verify-cost table: at the first load of a real-sized float32 model
 on the CPU, `measure_layouts` times a one-token and a three-token forward (a plain step and a
 typical verify) in each layout over a few interleaved rounds, and the choice is kept in the user
@@ -44,7 +40,7 @@ LAYOUT_ENV = "MLX_SPECDEC_CPU_LAYOUT"
 PROBE_MIN_PARAMS = 50_000_000  # smaller models are test fixtures: mlx-lm's layout, no probe
 PROBE_CONTEXT = 150
 PROBE_TOKENS = (1, 3)  # a plain decoding step and a typical ReDrafter verify
-LOAD_ROUNDS = 2  # at a first load (~3 s for the default model); `calibrate` measures more
+LOAD_ROUNDS = 2  # at a first load (a few seconds for the default model); `calibrate` measures more
 COLUMN_MARGIN = 0.03  # column-major replaces mlx-lm's layout only when at least this much faster
 
 

@@ -51,12 +51,11 @@ def _kept_for(module: nn.Module, key: str, make, partner: Optional[nn.Module] = 
 def apply_rope(rope: nn.Module, x: mx.array, offset: Union[int, mx.array]) -> mx.array:
     """`rope(x, offset=offset)`; on the CPU through one `mx.compile`d graph per rope module.
 
-    MLX's CPU RoPE is a graph of small ops built anew each call: the default model's 60 calls of a
-    forward took 11.0 ms on their own, 2.4 ms compiled (its elementwise ops fused into one kernel),
-    bit for bit the same output (tests/test_forward.py); inside a ~55 ms one-token forward that
-    saved 2-3 ms (benchmarks/results/cpu_weight_layout.md). The offset goes in as an
-    array so that one compiled graph serves every position; a new input shape retraces it (~0.5 ms;
-    the kernel is built once, ~0.5 s, on a process's first forward). On a GPU RoPE is one kernel.
+    MLX's CPU RoPE is a graph of small ops built anew each call, and a forward calls it twice a
+    layer; compiled, its elementwise ops fuse into one kernel with bit for bit the same output
+    (tests/test_forward.py), a few times cheaper. The offset goes in as an array so that one
+    compiled graph serves every position; a new input shape retraces it (cheap: the kernel itself
+    is built once, on a process's first forward). On a GPU RoPE is one kernel.
     """
     if not on_cpu():
         return rope(x, offset=offset)
@@ -163,7 +162,7 @@ _PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", 
 def _plain_projections(layer: nn.Module) -> bool:
     """Every projection a plain (or quantized) linear layer: nothing in the block keeps Python state
     a compiled graph would freeze at its trace (APAR's gated LoRA reads a per-token gate set between
-    forwards). Checked every call (~5 us a layer): adapters can be attached to a loaded model."""
+    forwards). Checked every call (cheap next to a layer): adapters can be attached to a loaded model."""
     for parent, name in _PROJECTIONS:
         if type(getattr(getattr(layer, parent, None), name, None)) not in _PLAIN_LINEAR:
             return False
@@ -172,11 +171,10 @@ def _plain_projections(layer: nn.Module) -> bool:
 
 def _compiled_block(layer: nn.Module, x: mx.array, positions, cache, mask, rope_tables=None) -> mx.array:
     """`transformer_block` on the CPU with what comes before and after the cache's attention as two
-    `mx.compile`d graphs. Python built ~25 small ops a layer anew each forward (~3.5 ms of a ~35 ms
-    one-token forward here, on the same 2 cores as the compute), and compiling them also fuses
-    RoPE with its transposes and the residual adds: a 1-5 token forward after 150 tokens 2-8 %
-    faster, `ar` +3 % and `redrafter` +6 % at the bench (benchmarks/results/compiled_block.md,
-    issue18_stop37.md), the same bits (tests/test_forward.py). The
+    `mx.compile`d graphs. Uncompiled, Python builds a few dozen small ops a layer anew each
+    forward, on the same cores as the compute: a visible share of a one-token forward on a small
+    CPU. Compiling them also fuses RoPE with its transposes and the residual adds, so short
+    forwards get faster with the same bits (tests/test_forward.py; see docs/cpu-backend.md). The
     layer's parameters are the graphs' inputs, read at every call: new weights are used as they
     come, and a module replaced by one with other parameters (an adapter) changes the inputs,
     which traces the graph anew. The cache's update and the attention stay outside: their shapes
@@ -208,9 +206,9 @@ def _joined(layers, caches, h, positions, cached, key_bucket, rope_tables) -> bo
 
 def _compiled_layers(layers, caches, h, positions, cached, mask, rope_tables) -> mx.array:
     """Every block as `_compiled_block` computes it, with each block's ops after the attention and
-    the next block's before it as one compiled graph: 31 compiled calls a forward instead of 60,
-    and the residual add fused with what reads it. 1-5 token forwards after 150 tokens 3-4 %
-    faster, the same bits (benchmarks/compiled_block_ab.py --joined, tests/test_forward.py)."""
+    the next block's before it as one compiled graph: one compiled call a layer (plus one) instead
+    of two, and the residual add fused with what reads it. Short forwards get faster still, with
+    the same bits (benchmarks/compiled_block_ab.py --joined compares; tests/test_forward.py)."""
     cos, sin = rope_tables.at(cached, h.shape[1]) if positions is None else rope_tables.at_positions(positions)
     first = _kept_for(layers[0], _COMPILED_BLOCK, lambda: _block_halves(layers[0]))
     queries, keys, values = first[2](h, cos, sin)  # before_rotated

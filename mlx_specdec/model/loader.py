@@ -177,7 +177,7 @@ def _check_safetensors_header(shard: Path) -> None:
 
 
 def default_dtype(config: dict) -> str:
-    """float32 on the CPU (MLX's float16 and 4-bit matmuls are slower there: design.md);
+    """float32 on the CPU (MLX's float16 and 4-bit matmuls are slower there: see docs/cpu-backend.md);
     the checkpoint's own dtype on a GPU."""
     if on_cpu():
         return "float32"
@@ -202,10 +202,10 @@ def float32_bytes(model: nn.Module) -> int:
 
 
 def should_dequantize(model: nn.Module, bits: Optional[int], choice: str) -> bool:
-    """On the CPU, MLX's quantized matmul of more than one row is slow (a 4-bit verify or prefill:
-    measured in the 4-bit card); dequantized once at load, a quantized model runs at float32's
-    speed with the same weight values, for 32/bits x the weight memory. `choice`: auto (when the
-    float32 weights fit in DEQUANTIZE_RAM_SHARE of RAM, on the CPU), on, off."""
+    """On the CPU, MLX's quantized matmul of more than one row is slow (a 4-bit verify or
+    prefill); dequantized once at load, a quantized model runs at float32's speed with the same
+    weight values, for 32/bits x the weight memory. `choice`: auto (when the float32 weights fit
+    in DEQUANTIZE_RAM_SHARE of RAM, on the CPU), on, off."""
     if choice not in ("auto", "on", "off"):
         raise UnsupportedModel(f"--dequantize is auto, on or off, not {choice!r}")
     if not bits or choice == "off":
@@ -237,8 +237,7 @@ def load_model(spec: Optional[str] = "default", dtype: str = "auto", dequantize:
     if bits and dtype == "auto" and compute != "float32":
         compute = "float16"  # on Metal, quantized layers keep their float16 scales
     # On the CPU a quantized model computes in float32 too (its scales/biases are cast; the packed
-    # weights stay 4-bit): measured on the default model, float16 activations took > 120 s for
-    # 16 tokens, float32 7.3 tok/s.
+    # weights stay 4-bit): MLX's CPU float16 activations are far slower than float32 there.
     dequantized = should_dequantize(model, bits, dequantize)
     if dequantized:
         from mlx_lm.utils import dequantize_model

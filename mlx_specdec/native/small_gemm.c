@@ -3,10 +3,9 @@
  * MLX's CPU backend computes every float32 product as cblas_sgemm. For a decoding step that is
  * x (M, K) @ W.T with M = 1 (a plain step) or a few (a verify), and OpenBLAS 0.3.21 runs it as a
  * GEMM: it packs W into panels first, so a one-row product reads and writes the weights more than
- * once. Here each weight row is streamed once for up to 8 rows of x, and a step is memory-bound:
- * on a 2-core EPYC VM the default model's vocabulary projection (49152 x 576, one row) took 8.3 ms
- * through MLX + OpenBLAS and 3.5 ms here, its 211 weight matrices 20.6 ms for one row and 21.8 for
- * three, and its one-token forward 55 -> 37 ms (benchmarks/results/small_gemm.md).
+ * once. Here each weight row is streamed once for up to 8 rows of x, and a step is memory-bound,
+ * so the weights' one pass sets its time: a few rows cost about what one does, and a one-token
+ * forward gets markedly faster than through OpenBLAS (see docs/cpu-backend.md).
  *
  * Handled here: row-major, A not transposed, 1 <= M <= 64 (groups of 8 rows, each group streaming
  * B once); B transposed (x @ W.T: row-major weights, attention scores) or not (x @ W: column-major
@@ -23,10 +22,9 @@
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112, MAX_ROWS = 8, MAX_CALL_ROWS = 64 };
 #define PARALLEL_WORK (64 * 1024)  /* elements of B below which one thread does it all */
 /* From 3 rows of A on, a weight row takes long enough to compute that the hardware prefetcher falls
- * behind the stream of B and the loads stop overlapping the FMAs: 4 rows cost 1.4x one row and 8 rows
- * 2.3x over the default model's 211 matrices on the 2-core EPYC VM. Asking for B 16 KB ahead, into
- * L2, brings 4 rows down to one row's time and 8 rows to 1.3x (benchmarks/results/small_gemm_prefetch.md).
- * For 1-2 rows it costs a little, so they go without. Past the end of B a prefetch is a no-op. */
+ * behind the stream of B and the loads stop overlapping the FMAs: more rows cost clearly more than
+ * one. Asking for B 16 KB ahead, into L2, brings a few rows back to about one row's time. For 1-2
+ * rows it costs a little, so they go without. Past the end of B a prefetch is a no-op. */
 #ifndef PREFETCH_MIN_ROWS  /* benchmarks/small_gemm_rows.py builds it with 99 to compare */
 #define PREFETCH_MIN_ROWS 3
 #endif
@@ -88,8 +86,8 @@ NT_ROWS(1) NT_ROWS(2) NT_ROWS(3) NT_ROWS(4) NT_ROWS(5) NT_ROWS(6) NT_ROWS(7) NT_
 
 /* nt_rows two weight rows at a time. An FMA waits for the one before it on the same accumulator
  * (4-5 cycles), and nt_rows has R accumulators in flight, so from ~4 rows, once the weights are
- * prefetched, it is bound by that chain at about one FMA a cycle where the CPU can start two: 5 rows
- * cost 1.25x 4 rows over the default model's matrices (benchmarks/results/small_gemm_pairs.md).
+ * prefetched, it is bound by that chain at about one FMA a cycle where the CPU can start two, and
+ * each row past 4 adds visibly to the time.
  * Two weight rows give 2R independent chains, and each row of A loaded feeds two FMAs. 2R + 3
  * registers of 16: up to 6 rows. Each element is still one accumulator over k in order and the
  * same sum: the same bits as nt_rows. */
@@ -192,11 +190,11 @@ static void nt8_rows(int R, int n0, int n1, int K, float alpha, const float *A, 
 
 /* columns n0..n1 of C for R rows of A: C[m, n] = alpha * sum_k A[m, k] B[k, n] + beta * C[m, n].
  * V vectors of 8 columns a pass, R x V accumulators: a row of B is read V x 32 bytes at a time. With
- * one vector a pass, attention's values (K = thousands of cached tokens, N = 64) were read in 32-byte
- * pieces 256 bytes apart, each cache line fetched twice: 30 % of a one-token forward after 6,000
- * tokens (benchmarks/results/small_gemm_values.md). Each lane still sums over k in order with one FMA
+ * one vector a pass, attention's values (K = thousands of cached tokens, N = 64) would be read in
+ * 32-byte pieces 256 bytes apart, each cache line fetched twice: a large share of a one-token
+ * forward over a long cache. Each lane still sums over k in order with one FMA
  * a step, so the bits are those of one vector a pass. V by the registers: R x V + V + 1 of them. */
-#if defined(SMALL_GEMM_NN_ONE_VECTOR)  /* as before: benchmarks/small_gemm_rows.py --values compares */
+#if defined(SMALL_GEMM_NN_ONE_VECTOR)  /* one vector a pass: benchmarks/small_gemm_rows.py --values compares */
 #define NN_V(R) 1
 #elif defined(__AVX512F__)
 #define NN_V(R) ((R) <= 6 ? 4 : 3)  /* 32 vector registers */
