@@ -88,13 +88,13 @@ def test_default_model_directories_are_cached():
 
 
 @pytest.mark.skipif(not __import__("mlx_specdec._blas", fromlist=["x"]).small_gemm, reason="needs the small-row GEMM")
-@pytest.mark.parametrize("context", [40, 1100])  # below and above the old grouped path's 1,024 keys
+@pytest.mark.parametrize("context", [40, 1100])  # below and above attention.GROUPED_MIN_KEYS (1,024)
 def test_on_the_cpu_a_verify_gives_the_one_token_steps_logits_bit_for_bit(engine, context):
     """float32 on the CPU: the small-row GEMM sums each row alike whatever the row count, and
     `exact_attention` is MLX's attention whatever the query count, so a T-token verify (a chain at
     contiguous positions, or the same chain as a tree at per-token positions) gives each position
     the logits the one-token steps give it: speculation is then lossless bit for bit, not only up
-    to near-ties (benchmarks/results/tie_flips_stop39.md)."""
+    to near-ties."""
     import mlx.core as mx
     import numpy as np
 

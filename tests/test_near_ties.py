@@ -23,7 +23,7 @@ build, OpenBLAS), float32: 7 near ties among 120 greedy positions (all planted; 
 margin is 4.5e-3), max |d logit| 6.1e-7, 5 of the 7 ties flip (63 of 2050 comparisons), and
 `redrafter` leaves `ar` at a planted tie in 11 of its 25 prompt x beam-shape runs. MLX's CPU
 float16 path gives bit-identical logits for one-token and T-token forwards (also on the default
-model: benchmarks/results/tie_flips.md), so there it is asserted exactly.
+model), so there it is asserted exactly.
 """
 
 import mlx.core as mx

@@ -64,5 +64,6 @@ def test_on_a_pass_key_the_retrieval_middle_level_accepts_more_than_a_streaming_
         got, stats = run(engine, ids, "triforce", bottom="none", budget=128, gamma=4, middle_cache=cache)
         assert got == plain
         acceptance[cache] = stats.extra["middle_acceptance"]
-    # measured: 1.0 vs 0.286 at both depths (benchmarks/results/issue16_needle_scoring.md)
+    # the retrieval cache keeps the needle's keys and accepts nearly every draft (measured 1.0 vs
+    # 0.286 at both depths); 0.3 leaves room for noise while still telling the two apart
     assert acceptance["retrieval"] > acceptance["streaming"] + 0.3, acceptance

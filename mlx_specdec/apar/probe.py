@@ -1,7 +1,7 @@
 """A fork probe: the original model decides the first [Fork], so an answer that never forks is its own.
 
 With a full APAR adapter the LoRA changes every token, also in answers that never fork (code,
-math): their text drifts from the original model's (NLL 1.56x on the coding/math bench prompts).
+math): their text drifts from the original model's (a clearly higher NLL under it).
 A fork probe keeps the original model in charge until the first fork:
 
 - the root thread decodes with the *original* weights (the prompt too); the [Fork] logit is read

@@ -2,8 +2,8 @@
 
 APAR changes the model (an adapter) and the order text is written in (threads that do not see
 their siblings), so its answers are not the original model's. The guard scores a restored answer
-the way the issue asks: the mean per-token negative log-likelihood of the answer under the
-original, un-tuned model, teacher-forced after the same prompt. The original model's own greedy
+by the mean per-token negative log-likelihood of the answer under the original, un-tuned model,
+teacher-forced after the same prompt. The original model's own greedy
 answer is the reference (a low NLL by construction, since greedy picks likely tokens); the
 restored APAR answer should stay within 10% of it.
 

@@ -6,7 +6,7 @@ URLs and ambiguous markup are unstructured negatives (one node, no fork), sample
 structured ones (with replacement when there are fewer); other answers are not used. An answer
 cut off by the length cap keeps only its complete part.
 
-Layout (the measured choice, `--layout`):
+Layout (`--layout`):
 
 - `tree` (default): one packed sequence per answer: the prompt, the root stream (details replaced
   by [Fork]) and EOS, then every child: [Child], its stream, EOS. A tree mask lets every token
@@ -29,10 +29,10 @@ distribution (w x KL(base || adapted), base = the same forward with the LoRA sca
 the thread's root path as plain text: the control tokens are hidden from it and take no position
 (`teacher_log_probs`), so a child's teacher is the base model continuing `... 4. Stay active:`.
 Hard labels on the text teach the tuned model to write *the data* in contexts the
-base never saw (a child without its siblings), which moved its greedy text away from the base's
-(measured: 85% argmax agreement on held-out answers after the first adapter). The KL term cut
-the held-out KL to the base 4-6x, but the answers' NLL under the base barely moved (measured:
-models/apar-smollm2-135m/CARD.md), so the shipped adapter is still the cross-entropy one.
+base never saw (a child without its siblings), which moves its greedy text away from the base's.
+The KL term brings the adapted distribution much closer to the base's, but the answers' NLL under
+the base barely moves, so the shipped adapter is still the cross-entropy one (see
+docs/decisions.md).
 
 Only the LoRA matrices and the two token rows train (AdamW; the rows with their own learning
 rate). Checkpoints (trainable weights + optimizer + step) resume with exactly the same batches.

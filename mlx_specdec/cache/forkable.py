@@ -121,8 +121,8 @@ class ForkableKVCache:
         allow_contiguous: when the pool holds a single thread whose path holds every slot (before
         the first fork, or a thread left alone in a compact pool), the step is exactly a contiguous
         cache's; then return positions None (the layers' `offset` is the scalar start) and mask
-        None for one token or "causal" for several. That skips the per-token RoPE and the mask:
-        ~4% of a one-token step of the default model on the CPU.
+        None for one token or "causal" for several. That skips the per-token RoPE and the mask,
+        a few percent of a one-token step on the CPU.
         """
         slots, positions = [], []
         for tid in thread_ids:

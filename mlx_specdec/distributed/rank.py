@@ -31,10 +31,10 @@ def _pin(rank: int) -> None:
 
 def quiet_ring_threads(before: set) -> None:
     """The ring backend's socket threads (the ones `mx.distributed.init` starts) retry a
-    non-blocking recv in a loop while a receive is posted: measured here, a rank waiting 3 s in
-    recv burned 2.1 s of CPU, and with a receive always posted each rank ran its layers 2-3x
-    slower on this 2-core machine. SCHED_IDLE (Linux) lets them spin only on a core nothing else
-    wants; on other systems nothing changes."""
+    non-blocking recv in a loop while a receive is posted: a rank waiting in recv keeps a core
+    busy, and with a receive always posted the ranks' layers run much slower on a machine with few
+    cores. SCHED_IDLE (Linux) lets them spin only on a core nothing else wants; on other systems
+    nothing changes."""
     if not before or not hasattr(os, "SCHED_IDLE"):
         return
     for tid in set(os.listdir("/proc/self/task")) - before:
