@@ -98,6 +98,13 @@ def test_every_setting_is_in_the_batch_key_and_the_server_docs(method, setting):
     assert f"`{setting.name}`" in (ROOT / "docs" / "server.md").read_text()
 
 
+def test_the_server_docs_carry_the_registry_s_table_as_it_is():
+    from mlx_specdec.settings import markdown
+
+    assert markdown() in (ROOT / "docs" / "server.md").read_text(), \
+        "regenerate docs/server.md's table: python -m mlx_specdec.settings --markdown"
+
+
 def test_a_new_sampling_field_is_in_the_batch_key_without_being_named():
     """Every GenerationParams field but the per-row ones must match for requests to share a batch."""
     import dataclasses

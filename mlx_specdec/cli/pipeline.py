@@ -17,7 +17,7 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ranks", type=int, default=None,
                    help="start N local ranks (processes) with mlx.launch, each holding a slice of the layers")
     g.add_argument("--hostfile", default=None,
-                   help="an mlx.launch hostfile (JSON): one rank per Mac, over Ethernet or Thunderbolt (README)")
+                   help="an mlx.launch hostfile (JSON): one rank per Mac, over Ethernet or Thunderbolt (docs/pipeinfer.md)")
     expert = [
         (("--split",), dict(default=None), "layers per rank, comma-separated (e.g. 14,16); default: even, "
          "leftovers on the last ranks"),

@@ -2,7 +2,7 @@
 
     run_pipeline(job, ranks=2)            N local ranks over the loopback ring
     run_pipeline(job, hostfile="h.json")  one rank per host in an `mlx.launch` hostfile (Macs over
-                                          Ethernet or Thunderbolt; see the README)
+                                          Ethernet or Thunderbolt; see docs/pipeinfer.md)
 
 Every rank runs in one new process group: on a timeout, a failed rank, Ctrl-C or the end, the
 whole group is killed, so no rank outlives the call. A failure is one `UserError` line: the
