@@ -21,9 +21,9 @@ import mlx.core as mx
 import numpy as np
 
 from drafter_bench_answers import bench_answers
-from mlx_specdec.drafter.data import batched_greedy, load_train_prompts, row_messages
-from mlx_specdec.drafter.head import load_drafter
-from mlx_specdec.drafter.teacher_forcing import Windows, llm_embedding_table, unroll
+from mlx_specdec.redrafter_head.data import batched_greedy, load_train_prompts, row_messages
+from mlx_specdec.redrafter_head.model import load_drafter
+from mlx_specdec.redrafter_head.teacher_forcing import Windows, llm_embedding_table, unroll
 from mlx_specdec.engine import Engine
 
 LONGEST, SHORTEST = 6, 2

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import mlx_specdec  # noqa: F401  (BLAS first)
 
-from mlx_specdec.drafter.data import batched_greedy
+from mlx_specdec.redrafter_head.data import batched_greedy
 from mlx_specdec.model.loader import load_model
 
 

@@ -20,9 +20,9 @@ import mlx_specdec  # noqa: F401  (first: picks the system BLAS before mlx.core 
 import numpy as np
 
 from mlx_specdec.bench_prompts import load_prompts
-from mlx_specdec.drafter.data import Sequences, batched_greedy
-from mlx_specdec.drafter.head import load_drafter
-from mlx_specdec.drafter.teacher_forcing import evaluate_head
+from mlx_specdec.redrafter_head.data import Sequences, batched_greedy
+from mlx_specdec.redrafter_head.model import load_drafter
+from mlx_specdec.redrafter_head.teacher_forcing import evaluate_head
 from mlx_specdec.engine import Engine
 
 BENCH_FILES = ("benchmarks/prompts.jsonl", "benchmarks/chat_unseen.jsonl")

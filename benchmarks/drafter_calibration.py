@@ -27,9 +27,9 @@ import mlx_specdec  # noqa: F401  (first: picks the system BLAS before mlx.core 
 import mlx.core as mx
 import numpy as np
 
-from mlx_specdec.drafter.data import load_splits
-from mlx_specdec.drafter.head import CONFIG_FILE, load_drafter
-from mlx_specdec.drafter.teacher_forcing import Windows, llm_embedding_table, unroll
+from mlx_specdec.redrafter_head.data import load_splits
+from mlx_specdec.redrafter_head.model import CONFIG_FILE, load_drafter
+from mlx_specdec.redrafter_head.teacher_forcing import Windows, llm_embedding_table, unroll
 from mlx_specdec.engine import Engine
 
 TAUS = np.round(np.arange(0.60, 2.001, 0.1), 2)  # 15 temperatures: each is a logsumexp over K per draft

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 import mlx_specdec  # noqa: F401  (first: picks the system BLAS before mlx.core loads)
-from mlx_specdec.drafter.data import load_splits
-from mlx_specdec.drafter.head import load_drafter
-from mlx_specdec.drafter.teacher_forcing import evaluate_head
+from mlx_specdec.redrafter_head.data import load_splits
+from mlx_specdec.redrafter_head.model import load_drafter
+from mlx_specdec.redrafter_head.teacher_forcing import evaluate_head
 from mlx_specdec.engine import Engine
 
 

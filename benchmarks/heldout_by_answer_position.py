@@ -15,9 +15,9 @@ import mlx_specdec  # noqa: F401  (first: picks the system BLAS before mlx.core 
 import mlx.core as mx
 import numpy as np
 
-from mlx_specdec.drafter.data import load_splits
-from mlx_specdec.drafter.head import load_drafter
-from mlx_specdec.drafter.teacher_forcing import Windows, llm_embedding_table, unroll
+from mlx_specdec.redrafter_head.data import load_splits
+from mlx_specdec.redrafter_head.model import load_drafter
+from mlx_specdec.redrafter_head.teacher_forcing import Windows, llm_embedding_table, unroll
 from mlx_specdec.engine import Engine
 
 SPANS = ((0, 64), (64, 128), (128, 256))

@@ -22,7 +22,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mlx_specdec.drafter.data import load_split, load_train_prompts, row_messages  # noqa: E402
+from mlx_specdec.redrafter_head.data import load_split, load_train_prompts, row_messages  # noqa: E402
 from mlx_specdec.drafting.ngram import NgramProposer  # noqa: E402
 
 HEAD_ACCEPTANCE = (0.366, 0.177 / 0.366)  # P(first draft), P(second | first)

@@ -25,7 +25,7 @@ from mlx_specdec.engine import Engine, GenerationParams
 
 REDRAFTER = importlib.import_module("mlx_specdec.decoding.redrafter")  # the module, not the function
 LOOKUP = importlib.import_module("mlx_specdec.drafting.lookup")
-HEAD = importlib.import_module("mlx_specdec.drafting.head")
+HEAD = importlib.import_module("mlx_specdec.drafting.head_source")
 PARTS = (  # (module or class, attribute, name): what is timed
     (REDRAFTER, "forward", "verify graph build"),
     (REDRAFTER, "_read", "acceptance sync (verify compute)"),

@@ -19,8 +19,8 @@ import mlx.core as mx
 import numpy as np
 
 from drafter_bench_answers import BENCH_FILES, bench_answers
-from mlx_specdec.drafter.head import load_drafter
-from mlx_specdec.drafter.teacher_forcing import Windows, llm_embedding_table, unroll
+from mlx_specdec.redrafter_head.model import load_drafter
+from mlx_specdec.redrafter_head.teacher_forcing import Windows, llm_embedding_table, unroll
 from mlx_specdec.engine import Engine
 
 

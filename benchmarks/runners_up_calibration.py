@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_specdec.engine import Engine
 from mlx_specdec.decoding import GenerationParams
-from mlx_specdec.drafter.beam import compiled_chain
+from mlx_specdec.redrafter_head.beam import compiled_chain
 from mlx_specdec.model.forward import forward
 e = Engine.load("default")
 lm, head = e.lm, e.drafter

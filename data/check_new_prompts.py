@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mlx_specdec.drafter.data import bench_questions, near_copies, word_ngrams  # noqa: E402
+from mlx_specdec.redrafter_head.data import bench_questions, near_copies, word_ngrams  # noqa: E402
 
 
 def main() -> None:

@@ -84,7 +84,7 @@ def main(argv=None) -> int:
                              "(distilling a second turn costs more than a first: a longer prompt)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from mlx_specdec.drafter.data import load_split, load_train_prompts
+    from mlx_specdec.redrafter_head.data import load_split, load_train_prompts
     from mlx_specdec.model.loader import load_model
 
     tokenizer = load_model(args.model).tokenizer

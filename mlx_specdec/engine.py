@@ -145,12 +145,12 @@ class Engine:
             return None
         if spec == "auto":
             return self._find_shipped_drafter()
-        from .drafter.head import load_drafter
+        from .redrafter_head.model import load_drafter
 
         return load_drafter(Path(spec).expanduser(), self.lm)
 
     def _find_shipped_drafter(self):
-        from .drafter.head import DrafterMismatch, load_drafter
+        from .redrafter_head.model import DrafterMismatch, load_drafter
 
         for directory in sorted(MODELS_DIR.glob("drafter-*")):
             if (directory / "config.json").exists():

@@ -133,7 +133,7 @@ DELAY = 0.3
 def slow_first_draft(monkeypatch):
     """ReDrafter's proposer (greedy beam search or sampled chains), the first draft of a
     generation delayed by DELAY seconds. Returns the perf_counter times drafts were asked for."""
-    from mlx_specdec.drafting.head import HeadProposer
+    from mlx_specdec.drafting.head_source import HeadProposer
 
     started = []
     propose = HeadProposer.propose
@@ -182,7 +182,7 @@ def test_ar_and_redrafter_time_decoding_from_their_first_token():
 def test_bench_compares_several_heads_each_config_decoding_with_its_own(tmp_path, monkeypatch):
     """`bench --drafter A,B` runs redrafter once per head in the same run (a fair comparison of two
     heads on a noisy machine); each config's decoding gets the head it names, loaded once."""
-    from mlx_specdec.drafter.head import save_drafter
+    from mlx_specdec.redrafter_head.model import save_drafter
 
     engine = tiny_engine()
     first, second = tmp_path / "a", tmp_path / "b"

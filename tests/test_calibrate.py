@@ -129,7 +129,7 @@ def test_calibrate_refuses_bad_input_in_one_line(tmp_path):
 
 
 def test_bench_says_when_redrafter_runs_on_the_shipped_verify_costs(home, tmp_path):
-    from mlx_specdec.drafter.head import save_drafter
+    from mlx_specdec.redrafter_head.model import save_drafter
     from test_redrafter import random_head
 
     model = save_tiny_model_dir(tmp_path / "tiny", seed=5)

@@ -166,7 +166,7 @@ def test_a_real_sized_model_is_probed_once_then_the_stored_choice_is_read(home, 
 
 
 def test_the_draft_head_follows_the_llm_s_layout(tmp_path):
-    from mlx_specdec.drafter.head import DrafterConfig, DrafterHead, load_drafter, save_drafter, tokenizer_hash
+    from mlx_specdec.redrafter_head.model import DrafterConfig, DrafterHead, load_drafter, save_drafter, tokenizer_hash
 
     lm = make_tiny_lm()
     config = DrafterConfig(llm_hidden_size=64, embed_size=64, vocab_size=97, draft_vocab_size=40,

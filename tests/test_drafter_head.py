@@ -8,12 +8,12 @@ import pytest
 from mlx.utils import tree_flatten
 
 from conftest import make_tiny_lm
-from mlx_specdec.drafter.data import Sequences
-from mlx_specdec.drafter.head import (DrafterConfig, DrafterHead, DrafterMismatch, load_drafter,
+from mlx_specdec.redrafter_head.data import Sequences
+from mlx_specdec.redrafter_head.model import (DrafterConfig, DrafterHead, DrafterMismatch, load_drafter,
                                       save_drafter, tokenizer_hash)
-from mlx_specdec.drafter.teacher_forcing import evaluate_head
-from mlx_specdec.drafter.train import TrainConfig, train_head
-from mlx_specdec.drafter.vocab import draft_vocabulary
+from mlx_specdec.redrafter_head.teacher_forcing import evaluate_head
+from mlx_specdec.redrafter_head.train import TrainConfig, train_head
+from mlx_specdec.redrafter_head.vocab import draft_vocabulary
 from mlx_specdec.errors import UserError
 
 
@@ -159,7 +159,7 @@ def test_a_time_limit_stops_training_with_a_checkpoint_that_resumes_exactly(lm, 
     base = dict(draft_vocab_size=64, draft_length=3, batch_size=32, epochs=2, checkpoint_every=100)
     straight = train_head(lm, data, TrainConfig(**base, max_steps=6), progress=False, log=lambda *_: None)
     clock = iter(range(0, 10_000, 30))  # every reading of the clock 30 s after the one before
-    monkeypatch.setattr("mlx_specdec.drafter.train.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("mlx_specdec.redrafter_head.train.time.perf_counter", lambda: next(clock))
     messages = []
     part = train_head(lm, data, TrainConfig(**base, max_steps=6, max_minutes=1.5), checkpoint_dir=tmp_path,
                       progress=False, log=messages.append)
@@ -178,7 +178,7 @@ def test_draft_vocabulary_keeps_most_frequent_and_eos():
 def test_llm_head_output_scores_with_the_llms_own_rows(lm, tmp_path):
     """output="llm_head": logits = predicted hidden @ the LLM's output rows of the draft vocab;
     the rows are not stored but re-attached from the LLM on load (same logits after a round trip)."""
-    from mlx_specdec.drafter.head import llm_output_rows
+    from mlx_specdec.redrafter_head.model import llm_output_rows
 
     ids = mx.array(np.arange(3, 43))
     head = DrafterHead(tiny_config(lm, output="llm_head"), ids)
@@ -250,8 +250,8 @@ def test_soft_targets_loss_is_the_cross_entropy_against_the_llms_own_distributio
     """soft_weight 1: the token loss is -sum p_llm log p_draft over the draft vocabulary, p_llm =
     softmax(the target's hidden state @ the LLM's output rows); a one-hot teacher gives the hard loss
     back; the weight mixes the two."""
-    from mlx_specdec.drafter.head import llm_output_rows
-    from mlx_specdec.drafter.teacher_forcing import Windows, llm_embedding_table, loss_fn, unroll
+    from mlx_specdec.redrafter_head.model import llm_output_rows
+    from mlx_specdec.redrafter_head.teacher_forcing import Windows, llm_embedding_table, loss_fn, unroll
 
     data = synthetic_data(lm)
     head = DrafterHead(tiny_config(lm, draft_vocab_size=64, draft_length=3), np.arange(20, 84))

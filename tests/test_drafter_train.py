@@ -11,7 +11,7 @@ import pytest
 
 from conftest import make_tiny_lm, save_tiny_model_dir
 from mlx_specdec.decoding import GenerationParams
-from mlx_specdec.drafter.data import DataConfig, batched_greedy, generate_data, is_validation, load_split
+from mlx_specdec.redrafter_head.data import DataConfig, batched_greedy, generate_data, is_validation, load_split
 from mlx_specdec.engine import Engine
 
 
@@ -72,7 +72,7 @@ def test_generate_data_is_resumable(tmp_path, monkeypatch):
 def test_no_generate_trains_on_the_shards_a_stopped_run_left(tmp_path):
     """generate=False: prompt files without shards yet are left out (said in the log); a split with
     no shards at all is not evaluated; nothing is generated; no train shards at all is one error."""
-    from mlx_specdec.drafter.train import TrainConfig, run_pipeline
+    from mlx_specdec.redrafter_head.train import TrainConfig, run_pipeline
     from mlx_specdec.errors import UserError
 
     lm = make_tiny_lm()
@@ -102,7 +102,7 @@ def test_no_generate_trains_on_the_shards_a_stopped_run_left(tmp_path):
 def test_a_report_keeps_follow_up_ids_beside_numeric_ones(tmp_path):
     """Held-out ids of a first-turn file (numbers) and a follow-up file ("<id>+followup") are
     concatenated as strings; training.json keeps the numbers as numbers and the rest as text."""
-    from mlx_specdec.drafter.train import TrainConfig, run_pipeline
+    from mlx_specdec.redrafter_head.train import TrainConfig, run_pipeline
 
     lm = make_tiny_lm()
     lm.tokenizer._tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -206,7 +206,7 @@ def test_multi_turn_rows_distil_the_answer_to_the_last_turn_after_the_models_own
 
 
 def test_a_row_without_a_prompt_or_a_conversation_is_one_line(tmp_path):
-    from mlx_specdec.drafter.data import load_train_prompts
+    from mlx_specdec.redrafter_head.data import load_train_prompts
     from mlx_specdec.errors import UserError
 
     bad = tmp_path / "bad.jsonl"
@@ -216,7 +216,7 @@ def test_a_row_without_a_prompt_or_a_conversation_is_one_line(tmp_path):
 
 
 def test_near_copies_finds_a_reworded_prompt_and_not_a_different_one():
-    from mlx_specdec.drafter.data import near_copies
+    from mlx_specdec.redrafter_head.data import near_copies
 
     bench = ["What are 5 tips for getting a better night's sleep?"]
     found = near_copies(["what are 5 tips for getting a better night's sleep, please",
@@ -230,7 +230,7 @@ def test_training_leaves_out_the_answers_of_prompts_that_nearly_copy_a_bench_pro
     nearly copy bench prompts (a Python palindrome or prime checker, the pros and cons of a used car):
     their answers are generated (the prompt files stay as they are, so a stopped data run resumes with
     the same shards) and left out of training."""
-    from mlx_specdec.drafter.data import Sequences, bench_questions, keep_prompts, training_prompt_ids
+    from mlx_specdec.redrafter_head.data import Sequences, bench_questions, keep_prompts, training_prompt_ids
 
     root = Path(__file__).resolve().parents[1]
     bench = bench_questions(root)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mlx_specdec.acceptance import sampling_accept
-from mlx_specdec.drafter.beam import sample_beams
+from mlx_specdec.redrafter_head.beam import sample_beams
 from mlx_specdec.drafting import HeadProposer, NgramProposer, one_hot_probs, select_rows
 
 from conftest import make_tiny_lm

@@ -9,7 +9,7 @@ import pytest
 
 from mlx_specdec.decoding import GenerationParams
 from mlx_specdec.decoding.redrafter import NoDrafter
-from mlx_specdec.drafter.head import DrafterConfig, DrafterHead
+from mlx_specdec.redrafter_head.model import DrafterConfig, DrafterHead
 from mlx_specdec.engine import Engine
 
 from conftest import make_tiny_lm
@@ -341,7 +341,7 @@ def test_a_cutoff_on_the_drawn_token_s_probability_biases_sampling_and_one_on_ma
 
 
 def test_sampled_drafts_report_the_peak_of_their_distribution_as_confidence():
-    from mlx_specdec.drafter.beam import sample_beams
+    from mlx_specdec.redrafter_head.beam import sample_beams
 
     lm = make_tiny_lm(seed=3)
     head = random_head(lm, draft_vocab=97)
@@ -357,7 +357,7 @@ def test_a_confidence_temperature_changes_the_confidences_not_the_beams(width):
     picks the same beams, and each drafted token's confidence is softmax(logits / tau) at it."""
     import dataclasses
 
-    from mlx_specdec.drafter.beam import beam_search
+    from mlx_specdec.redrafter_head.beam import beam_search
 
     lm = make_tiny_lm(seed=3)
     embed = lm.model.model.embed_tokens

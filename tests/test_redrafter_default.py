@@ -60,7 +60,7 @@ def test_batched_redrafter_equals_plain_decoding(engine):
 
 def test_shipped_head_refuses_another_model(tmp_path):
     from conftest import make_tiny_lm
-    from mlx_specdec.drafter.head import DrafterMismatch, load_drafter
+    from mlx_specdec.redrafter_head.model import DrafterMismatch, load_drafter
 
     with pytest.raises(DrafterMismatch, match="hidden size"):
         load_drafter(MODELS_DIR / "drafter-smollm2-135m", make_tiny_lm())

@@ -7,7 +7,8 @@ import pytest
 
 from mlx_specdec.acceptance import greedy_accept
 from mlx_specdec.decoding import GenerationParams
-from mlx_specdec.drafter.beam import compiled_chain, pack_beams, with_runners_up
+from mlx_specdec.redrafter_head.beam import compiled_chain
+from mlx_specdec.drafting.tree import pack_beams, with_runners_up
 from mlx_specdec.drafting.verify_cost import CostTable, runners_up_worth
 
 from conftest import make_tiny_lm

@@ -31,7 +31,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from mlx_specdec.drafter.head import save_drafter
+    from mlx_specdec.redrafter_head.model import save_drafter
     from test_redrafter import random_head
 
     root = tmp_path_factory.mktemp("serve")

@@ -1,4 +1,4 @@
-"""Greedy chains drafted one depth at a time (drafting/head.py `stepwise`): the same drafts, the
+"""Greedy chains drafted one depth at a time (drafting/head_source.py `stepwise`): the same drafts, the
 same confidences and the same verified trees as the whole chain in one graph, minus drafts no
 step could verify."""
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mlx_specdec.decoding import GenerationParams
-from mlx_specdec.drafter.beam import beam_search, compiled_chain
+from mlx_specdec.redrafter_head.beam import beam_search, compiled_chain
 from mlx_specdec.drafting import HeadProposer
 
 from conftest import make_tiny_lm
@@ -136,7 +136,7 @@ def test_eager_drafts_verify_the_same_trees_in_one_host_sync_a_step(monkeypatch,
     import importlib
 
     redrafter = importlib.import_module("mlx_specdec.decoding.redrafter")
-    head_proposer = importlib.import_module("mlx_specdec.drafting.head")
+    head_proposer = importlib.import_module("mlx_specdec.drafting.head_source")
     lookup_proposer = importlib.import_module("mlx_specdec.drafting.lookup")
 
     lm = make_tiny_lm(seed=3, eos_id=96)

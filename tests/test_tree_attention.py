@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 from mlx_specdec import masks
 from mlx_specdec.cache import ContiguousKVCache
-from mlx_specdec.drafter.beam import dedup_prefix, pack_beams
+from mlx_specdec.drafting.tree import dedup_prefix, pack_beams
 from mlx_specdec.model.forward import forward
 
 from conftest import make_tiny_llama, tree_path

@@ -4,7 +4,7 @@ expected tokens per unit of the measured verify cost at its context, within what
 import numpy as np
 import pytest
 
-from mlx_specdec.drafter.beam import dedup_prefix
+from mlx_specdec.drafting.tree import dedup_prefix
 from mlx_specdec.drafting.verify_cost import CPU_CONTEXTS, CPU_COST, CostTable, verify_cost, worth_verifying
 
 # The rule's cases below are worked out on the table first measured (a 2-core VM before the small-row

@@ -111,7 +111,7 @@ class Run:
         if part:
             rows = rows[int(part)::LARGE_PARTS]  # every LARGE_PARTS-th row: each part a fair sample
         if self.args.quick:  # a few answers of each split
-            from mlx_specdec.drafter.data import is_validation
+            from mlx_specdec.redrafter_head.data import is_validation
             held = [is_validation(json.loads(r).get("id", n + 1)) for n, r in enumerate(rows)]
             rows = ([r for r, h in zip(rows, held) if not h][: self.args.quick_rows]
                     + [r for r, h in zip(rows, held) if h][:2])

@@ -201,7 +201,7 @@ def prepare_for_training(lm: LoadedModel, lora: LoraSettings, convention: str = 
 
     Only the LoRA matrices and the new token rows are trainable."""
     from mlx_lm.tuner.utils import linear_to_lora_layers
-    from ..drafter.head import tokenizer_hash
+    from ..redrafter_head.model import tokenizer_hash
 
     base_vocab = _check_vocab(lm)
     model = lm.model

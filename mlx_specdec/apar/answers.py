@@ -39,7 +39,7 @@ def default_data_dir(lm) -> Path:
 def ensure_answers(lm, prompt_files: Sequence[Path], data_dir: Path, max_new_tokens: int = 192,
                    batch_size: int = 32, log: Callable[[str], None] = print) -> None:
     """Reuse the greedy-answer shards if present (made by this model); generate missing ones."""
-    from ..drafter.data import DataConfig, generate_data
+    from ..redrafter_head.data import DataConfig, generate_data
 
     for prompt_file in prompt_files:
         directory = Path(data_dir) / Path(prompt_file).stem
@@ -71,7 +71,7 @@ def _missing_shards(directory: Path) -> bool:
 
 
 def load_answers(lm, prompt_files: Sequence[Path], data_dir: Path) -> List[Answer]:
-    from ..drafter.data import load_train_prompts
+    from ..redrafter_head.data import load_train_prompts
 
     eos = lm.eos_token_ids
     answers: List[Answer] = []

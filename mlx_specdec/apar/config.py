@@ -109,7 +109,7 @@ def read_adapter_config(directory: Path) -> AdapterConfig:
 
 
 def check_adapter(config: AdapterConfig, lm: LoadedModel, where: str = "APAR adapter") -> None:
-    from ..drafter.head import tokenizer_hash
+    from ..redrafter_head.model import tokenizer_hash
 
     rows = int(lm.model.model.embed_tokens.weight.shape[0])
     if config.base_vocab_size != rows or config.tokenizer_hash != tokenizer_hash(lm.tokenizer):

@@ -141,7 +141,7 @@ def _log(msg) -> None:
 
 
 def cmd_train_drafter(args) -> int:
-    from ..drafter.train import TrainConfig, run_pipeline
+    from ..redrafter_head.train import TrainConfig, run_pipeline
     from ..model.default import home
 
     if args.draft_vocab <= 0 or args.draft_length <= 0 or args.batch_size <= 0:

@@ -46,7 +46,7 @@ import numpy as np
 
 from .. import masks
 from ..acceptance import Accepted, greedy_accept_targets, sampling_accept, target_probs
-from ..drafter.beam import pack_beams
+from ..drafting.tree import pack_beams
 from ..drafting import HeadProposer, Proposal, select_rows
 from ..drafting.calibration import DraftTrust
 from ..drafting.base import read_host as _read
@@ -127,7 +127,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     greedy = params.greedy
     eos = ctx.lm.eos_token_ids
     # Lazy (the default): greedy chains are drafted one depth at a time, only as deep as the cutoff
-    # lets a step verify (drafting/head.py), and the head's drafts are read only where the lookup
+    # lets a step verify (drafting/head_source.py), and the head's drafts are read only where the lookup
     # found none: on the CPU each depth's vocabulary projection costs ~3 ms. Eager: every depth in one
     # graph, read with the acceptance in the step's one host sync; on an H200 the two tied (0.70x vs
     # 0.70x of `ar`; benchmarks/results/issue18_h200_cuda/), so the CPU's rule stays everywhere.

@@ -11,7 +11,7 @@ token (the ReDrafter head drafts from it).
 - `NgramDrafter`: prompt lookup over seq (`drafting.NgramProposer`); confidence: the running
   acceptance rate of its drafts (a lookup has no probability of its own).
 - `HeadDrafter`: the ReDrafter head's chain from the newest committed token's hidden state
-  (drafter/beam.py's greedy search, one beam), handed out in micro-batches while the tail in
+  (redrafter_head/beam.py's greedy search, one beam), handed out in micro-batches while the tail in
   flight is its prefix; confidence: the head's own probability of each token.
 - `ScriptedDrafter`: a given continuation with wrong tokens at chosen answer positions. Tests
   force rejections and cancellations with it, and the bench uses it to measure the pipeline's
@@ -92,8 +92,8 @@ class HeadDrafter:
 
 def _compiled_chain(head, embed, length: int):
     """(hidden (1, D), token (1,)) -> (length - 1 greedy drafts, the head's probability of each):
-    one compiled graph (as drafter/beam.py's beam search, one beam, keeping the probabilities)."""
-    from ..drafter.beam import _start
+    one compiled graph (as redrafter_head/beam.py's beam search, one beam, keeping the probabilities)."""
+    from ..redrafter_head.beam import _start
 
     def chain(hidden, token):
         state, hid, _ = _start(head, embed, hidden, token, 1)  # (1, 1, E), (1, 1, D)

@@ -92,7 +92,7 @@ def main(job_path: str) -> None:
         quiet_ring_threads(threads)
     from ..errors import UserError
     from ..model.loader import load_model
-    from .head import Head, PipelineSettings
+    from .coordinator import Head, PipelineSettings
     from .link import Outbox, RankFailure
     from .split import plan_split
     from .stage import StageModel, serve_stage

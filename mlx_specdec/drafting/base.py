@@ -12,11 +12,11 @@ target's own latest token, together with the distribution each drafted token was
                              accepted: TriForce's full-cache verify); None forgets only what was
                              proposed and not committed
 
-`owner` is the dedup table of shared prefixes (`drafter.beam.dedup_prefix`): verification packs
+`owner` is the dedup table of shared prefixes (`drafting.tree.dedup_prefix`): verification packs
 each distinct prefix once. A proposer whose drafts follow from the committed text alone keeps
 that text as its state (n-gram lookup); one that reads the target's hidden state has none
 (the ReDrafter head): its commit and rollback do nothing. A small draft model over a StreamingLLM
-cache (`model.py`) keeps both the text and its cache, cut back to the text at each proposal.
+cache (`draft_model.py`) keeps both the text and its cache, cut back to the text at each proposal.
 """
 
 from __future__ import annotations

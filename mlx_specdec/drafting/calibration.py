@@ -19,7 +19,7 @@ and moves with evidence; every judged draft is one event at the depth it was rea
 
 Deeper drafts were not reached and say nothing. Speed only: the cutoff decides before any drafted
 token of the step is checked and from confidences that do not depend on the drawn tokens
-(`drafter.beam.sample_beams`), so greedy output stays the target's and sampling stays exact.
+(`redrafter_head.beam.sample_beams`), so greedy output stays the target's and sampling stays exact.
 """
 
 from __future__ import annotations

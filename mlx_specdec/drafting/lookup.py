@@ -32,7 +32,7 @@ from typing import List, NamedTuple, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..drafter.beam import dedup_prefix
+from .tree import dedup_prefix
 from .base import Proposal, one_hot_probs, read_host
 from .ngram import NgramProposer
 

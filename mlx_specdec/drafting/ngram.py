@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from ..drafter.beam import dedup_prefix
+from .tree import dedup_prefix
 from .base import Proposal, one_hot_probs
 
 

@@ -33,7 +33,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ..drafter.beam import with_runners_up
+from .tree import with_runners_up
 from .verify_cost import CostTable, costs_at, most_tokens_per_cost, runners_up_worth
 
 # P(the head's first draft is the target's token | the lookup drafted a different first token), over

@@ -22,7 +22,7 @@ import numpy as np
 from ..acceptance import sample_probs, target_probs
 from ..cache.prefix import common_prefix
 from ..cache.streaming import StreamingKVCache
-from ..drafter.beam import dedup_prefix
+from .tree import dedup_prefix
 from ..model.forward import forward
 from .base import Proposal
 

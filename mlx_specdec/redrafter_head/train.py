@@ -34,7 +34,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import UserError
 from .data import Sequences, keep_prompts, load_splits, training_prompt_ids
-from .head import (DrafterConfig, DrafterHead, llm_output_rows, llm_shapes, load_drafter, save_drafter,
+from .model import (DrafterConfig, DrafterHead, llm_output_rows, llm_shapes, load_drafter, save_drafter,
                    tokenizer_hash)
 from .teacher_forcing import Windows, evaluate_head, llm_embedding_table, loss_fn
 from .vocab import draft_vocabulary, measure_draft_vocab

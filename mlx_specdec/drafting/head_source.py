@@ -1,5 +1,5 @@
 """ReDrafter's draft head as a proposer: beam search (greedy) or sampled chains (temperature > 0)
-from the RNN head on the target's last hidden state (`drafter/head.py`, `drafter/beam.py`).
+from the RNN head on the target's last hidden state (`redrafter_head/model.py`, `redrafter_head/beam.py`).
 
 The head's state is rebuilt every step from the target's hidden state after the last accepted
 token, so there is nothing to commit or roll back. Both draft kinds are lazy MLX graphs: the
@@ -20,8 +20,25 @@ from typing import Callable, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..drafter.beam import compiled_beam_search, compiled_chain, dedup_prefix, sample_beams
+from ..redrafter_head.beam import beam_search, compiled_chain, sample_beams
 from .base import Proposal, read_host
+from .tree import dedup_prefix
+
+_SEARCHES: dict = {}
+
+
+def compiled_beam_search(head, embed, width: int, length: int):
+    """`beam_search` + `dedup_prefix` as one compiled graph: (hidden (B, D), token (B,)) ->
+    (beams, owner, confidence). Compiling fuses the many small per-step ops (the weights are
+    frozen, so capturing them as constants is safe)."""
+    key = (id(head), id(embed), width, length)
+    if key not in _SEARCHES:
+        def draft(hidden, token):
+            drafts = beam_search(head, embed, hidden, token, width, length)
+            return drafts.beams, dedup_prefix(drafts.beams), drafts.confidence
+
+        _SEARCHES[key] = mx.compile(draft)
+    return _SEARCHES[key]
 
 
 class HeadProposer:
@@ -31,7 +48,7 @@ class HeadProposer:
         stepwise: greedy single chains only (ignored otherwise): see the module docstring.
         runners_up: stepwise only, the head's next choices at each of the chain's first
         `runner_depths` drafts to offer beside it (`runners_up_on_host`;
-        `drafter.beam.with_runners_up` verifies them)."""
+        `drafting.tree.with_runners_up` verifies them)."""
         self.head, self.embed, self.vocab = head, embed, vocab
         self.width, self.length, self.temperature = width, length, temperature
         self.stepwise = stepwise and temperature <= 0 and width == 1 and length > 2

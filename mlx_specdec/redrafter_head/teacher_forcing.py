@@ -1,5 +1,5 @@
 """Teacher forcing over the distillation data: the windows a step trains on, the loss, and the
-held-out measure (top-1 per draft position) every head is chosen by. Training is drafter/train.py."""
+held-out measure (top-1 per draft position) every head is chosen by. Training is redrafter_head/train.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .data import Sequences
-from .head import DrafterHead, llm_shapes
+from .model import DrafterHead, llm_shapes
 
 
 class Windows:

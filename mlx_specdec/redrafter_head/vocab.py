@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from .data import Sequences
-from .head import DrafterConfig, DrafterHead, llm_shapes
+from .model import DrafterConfig, DrafterHead, llm_shapes
 
 
 def draft_vocabulary(tokens: np.ndarray, k: int, vocab_size: int, always: Optional[List[int]] = None) -> np.ndarray:

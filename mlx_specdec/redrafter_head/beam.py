@@ -1,14 +1,10 @@
-"""ReDrafter's drafting and dynamic tree attention.
+"""The ReDrafter head's drafts: beam search (greedy) and sampled chains (sampling).
 
 `beam_search` (greedy mode) and `sample_beams` (sampling mode) run the RNN draft head for L-1 steps
 and return W candidate continuations, each starting with the token the target model just produced.
-Both are one lazy MLX graph: no `.item()`, `.tolist()` or numpy inside.
-
-Beams share prefixes (every beam starts with the same token, and beam search keeps siblings), so
-verifying all W*L tokens would repeat work. `dedup_prefix` finds, for every (beam, depth), the
-first beam with the same prefix; `pack_beams` keeps each distinct prefix once, in one sequence
-with per-token depths and a tree mask (`masks.prefix_tree_mask`), and an index that unpacks the
-verified logits back to (W, L).
+Both are one lazy MLX graph: no `.item()`, `.tolist()` or numpy inside. `compiled_chain` drafts a
+greedy single chain one depth per call. Packing the beams into one tree to verify is the drafting
+layer's (`drafting/tree.py`).
 """
 
 from __future__ import annotations
@@ -16,7 +12,6 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 import mlx.core as mx
-import numpy as np
 
 Embed = Callable[[mx.array], mx.array]  # token ids (...,) -> embeddings (..., E): the LLM's own table
 
@@ -76,22 +71,7 @@ def beam_search(head, embed: Embed, hidden: mx.array, first_token: mx.array, wid
     return Drafts(beams, None, mx.exp(steps))
 
 
-_COMPILED: dict = {}
-
-
-def compiled_beam_search(head, embed: Embed, width: int, length: int):
-    """`beam_search` + `dedup_prefix` as one compiled graph: (hidden (B, D), token (B,)) ->
-    (beams, owner). Compiling fuses the many small per-step ops; measured on the 2-core CPU with
-    K=4096, W=1, L=5: 42 ms eager -> 18 ms compiled (the weights are frozen, so capturing them
-    as constants is safe)."""
-    key = (id(head), id(embed), width, length)
-    if key not in _COMPILED:
-        def draft(hidden, token):
-            drafts = beam_search(head, embed, hidden, token, width, length)
-            return drafts.beams, dedup_prefix(drafts.beams), drafts.confidence
-
-        _COMPILED[key] = mx.compile(draft)
-    return _COMPILED[key]
+_COMPILED: dict = {}  # compiled graphs, by head and shape
 
 
 def greedy_chain_step(head, state: mx.array, hidden: mx.array, score: mx.array, runners_up: int = 0):
@@ -134,7 +114,7 @@ def _tempered_logprob(logits: mx.array, top: mx.array, tau: float, K: int) -> mx
 
 def compiled_chain(head, embed: Embed, runners_up: int = 0, deeper_runners_up: bool = False):
     """The greedy W=1 chain one depth per call, for drafting only as deep as a step can verify
-    (`drafting.head.HeadProposer` stepwise): (first, deeper, deeper_alone), each compiled once per head.
+    (`drafting.head_source.HeadProposer` stepwise): (first, deeper, deeper_alone), each compiled once per head.
 
     first(hidden (B, D), token (B,)) -> state, draft (B,), score, confidence: depth 1 (and, with
     runners_up = S, the head's next S choices there and their confidences, (B, S) each)
@@ -177,80 +157,3 @@ def sample_beams(head, embed: Embed, hidden: mx.array, first_token: mx.array, wi
         beams = mx.concatenate([beams, token[..., None]], axis=-1)
         state = head.next_state(state, embed(token))
     return Drafts(beams, mx.stack(probs, axis=2), mx.stack(peaks, axis=2))  # (B, W, L-1, K), (B, W, L-1)
-
-
-def dedup_prefix(beams, xp=mx):
-    """beams (B, W, L) -> owner (B, W, L): the smallest beam index k with beams[k, :j+1] == beams[w, :j+1].
-
-    Token (w, j) is verified only if owner[w, j] == w; otherwise beam `owner` carries the same prefix.
-    xp: mx for a lazy graph, np for drafts already on the host (prompt lookup's).
-    """
-    same = beams[:, :, None, :] == beams[:, None, :, :]  # (B, W, W, L): token j equal in beams w and k
-    same_prefix = xp.cumprod(same.astype(xp.int32), axis=-1)  # (B, W, W, L): equal through depth j
-    return xp.argmax(same_prefix, axis=2).astype(xp.int32)  # first k (argmax takes the first max)
-
-
-class PackedTree(NamedTuple):
-    tokens: np.ndarray  # (N,) distinct prefix tokens in topological (beam-major) order
-    parents: np.ndarray  # (N,) index of each token's parent in the packing, -1 for the root(s)
-    depths: np.ndarray  # (N,) depth in its beam: position = prefix length + depth
-    index: np.ndarray  # (W, L) packed index of every beam token (shared prefixes share an index)
-
-
-def pack_beams(beams: np.ndarray, owner: np.ndarray) -> PackedTree:
-    """Host-side packing of one row, from the owner table: a few dozen integers per step.
-
-    beams, owner: (W, L). Beam-major order is topological: a token's parent is either earlier in
-    its own beam or in a lower-indexed beam that owns the shared prefix.
-    """
-    W, L = beams.shape
-    index = np.empty((W, L), dtype=np.int32)
-    tokens, parents, depths = [], [], []
-    for w in range(W):
-        for j in range(L):
-            k = owner[w, j]
-            if k != w:  # the prefix through depth j is carried by beam k < w
-                index[w, j] = index[k, j]
-                continue
-            index[w, j] = len(tokens)
-            tokens.append(beams[w, j])
-            parents.append(index[w, j - 1] if j > 0 else -1)
-            depths.append(j)
-    return PackedTree(np.array(tokens, dtype=np.int32), np.array(parents, dtype=np.int32),
-                      np.array(depths, dtype=np.int32), index)
-
-
-def with_runners_up(beams: np.ndarray, trees: list, runners: np.ndarray, verify: np.ndarray,
-                    depths: np.ndarray | None = None):
-    """Siblings of the chain's drafts, verified beside it in the same forward.
-
-    beams (B, 1, L): one chain a row; trees: their `pack_beams`; runners (B, R): the head's next
-    choices at the depths (R,) given (default: all at depth 1), each k <= L - 1; verify (B, R)
-    bool: which of them to verify. -> beams (B, 1+R, L) and trees where beam r >= 1 is the chain's
-    first k tokens, then runner r, then -1 (which never equals a target token): a child of the
-    chain's depth k-1 token, so it is accepted k deep at most, and only where the chain's own
-    k-th draft is not. A runner not verified has no tree token (its beam points at the root and
-    never matches)."""
-    B, _, L = beams.shape
-    R = runners.shape[1]
-    depths = np.ones(R, dtype=np.int64) if depths is None else np.asarray(depths)
-    out = np.full((B, 1 + R, L), -1, dtype=beams.dtype)
-    out[:, 0] = beams[:, 0]
-    out[:, 1:, 0] = beams[:, :1, 0]
-    packed = []
-    for b, tree in enumerate(trees):
-        tokens, parents, tree_depths = list(tree.tokens), list(tree.parents), list(tree.depths)
-        index = np.zeros((1 + R, L), dtype=np.int32)
-        index[0] = tree.index[0]
-        for r in np.flatnonzero(verify[b]):
-            k = int(depths[r])
-            out[b, 1 + r, :k] = beams[b, 0, :k]
-            out[b, 1 + r, k] = runners[b, r]
-            index[1 + r, :k] = tree.index[0, :k]
-            index[1 + r, k:] = len(tokens)
-            tokens.append(runners[b, r])
-            parents.append(tree.index[0, k - 1])
-            tree_depths.append(k)
-        packed.append(PackedTree(np.array(tokens, dtype=np.int32), np.array(parents, dtype=np.int32),
-                                 np.array(tree_depths, dtype=np.int32), index))
-    return out, packed
