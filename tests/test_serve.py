@@ -116,6 +116,20 @@ def test_completions_and_stop_strings(server):
     stop = " " + words[2]
     cut = c.chat.completions.create(model="tiny", messages=messages, max_tokens=12, stop=stop)
     assert cut.choices[0].message.content == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    # a stop string across two tokens ("5 w7" ends one word and begins the next): nothing of it leaks,
+    # streamed or not
+    spanning = words[1][-1:] + " " + words[2][:2]
+    want = text[: text.index(spanning)]
+    cut = c.chat.completions.create(model="tiny", messages=messages, max_tokens=12, stop=[spanning])
+    assert cut.choices[0].message.content == want
+    chunks = c.chat.completions.create(model="tiny", messages=messages, max_tokens=12, stop=[spanning], stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
+
+
+def test_the_model_may_be_named_as_the_server_was_started(server):
+    reply = client(server).chat.completions.create(model=server["model"], messages=[{"role": "user", "content": PROMPT}],
+                                                   max_tokens=3)
+    assert reply.model == "tiny" and reply.choices[0].message.content
 
 
 def post(server, body, key=KEY, raw=None):

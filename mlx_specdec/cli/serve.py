@@ -47,7 +47,7 @@ def cmd_serve(args) -> int:
     _check_port_free(args.host, args.port)  # before the model loads, not after
     # the engine loads on the generation thread, which makes every MLX call (serve/worker.py)
     worker = GenerationWorker(lambda: load_engine(args, reuse_prefix=True), max_batch=args.max_batch)
-    app = create_app(worker, method=args.method, api_key=args.api_key)
+    app = create_app(worker, method=args.method, api_key=args.api_key, model_spec=args.model)
     print(f"serving {worker.engine.lm.name} ({args.method}) on http://{args.host}:{args.port}/v1 (Ctrl-C stops)",
           file=sys.stderr, flush=True)
     server = _server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"), worker)

@@ -237,37 +237,56 @@ def peak_memory_mb() -> float:
 
 
 class _ThreadText:
-    """Per-thread streaming detokeniser and stop-string search."""
+    """Per-thread streaming detokeniser and exact stop-string search. Text that could still be the
+    beginning of a stop string is held back until it cannot, so no part of a stop string is ever
+    emitted, even one that spans several tokens; `flush` emits what was held at the end."""
 
     def __init__(self, tokenizer, stop: Sequence[str]):
         self.detok = tokenizer.detokenizer
         self.stop = [s for s in stop if s]
-        self.text = ""
+        self.text = ""  # the thread's text so far, cut at a stop string
+        self.sent = 0  # characters of `text` already emitted
+        self.stopped = False
 
     def add(self, token: int) -> tuple[str, bool]:
         """Returns (text delta, hit a stop string)."""
         self.detok.add_token(token)
-        delta = self.detok.last_segment
-        if not self.stop or not delta:
-            self.text += delta
-            return delta, False
-        before = len(self.text)
-        self.text += delta
-        window_start = max(0, before - max(len(s) for s in self.stop))
-        for s in self.stop:
-            hit = self.text.find(s, window_start)
-            if hit >= 0:
-                cut = self.text[:hit]
-                delta = cut[before:] if hit >= before else ""
-                self.text = cut
-                return delta, True
-        return delta, False
+        return self._advance(self.detok.last_segment, final=False)
 
     def flush(self) -> str:
+        if self.stopped:
+            return ""
         self.detok.finalize()
-        delta = self.detok.last_segment
+        return self._advance(self.detok.last_segment, final=True)[0]
+
+    def _advance(self, delta: str, final: bool) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        before = len(self.text)
         self.text += delta
-        return delta
+        if self.stop and delta:
+            window_start = max(0, before - max(len(s) for s in self.stop) + 1)
+            hits = [h for h in (self.text.find(s, window_start) for s in self.stop) if h >= 0]
+            if hits:
+                self.text, self.stopped = self.text[: min(hits)], True
+                return self._emit(len(self.text)), True
+        return self._emit(len(self.text) - (0 if final else _held_back(self.text, self.stop))), False
+
+    def _emit(self, end: int) -> str:
+        out = self.text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return out
+
+
+def _held_back(text: str, stops: Sequence[str]) -> int:
+    """The longest end of `text` that is the beginning of a stop string (0: none)."""
+    longest = 0
+    for s in stops:
+        for k in range(min(len(text), len(s) - 1), longest, -1):
+            if text.endswith(s[:k]):
+                longest = k
+                break
+    return longest
 
 
 def take_tokens(tokens: Sequence[int], text: _ThreadText, eos, room: int):

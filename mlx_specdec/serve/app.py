@@ -48,8 +48,10 @@ def _usage(prompt_tokens: int, stats) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
 
-def create_app(worker: GenerationWorker, method: str = "ar", api_key: Optional[str] = None) -> Starlette:
-    """worker: a GenerationWorker whose engine has loaded (`wait_ready`)."""
+def create_app(worker: GenerationWorker, method: str = "ar", api_key: Optional[str] = None,
+               model_spec: Optional[str] = None) -> Starlette:
+    """worker: a GenerationWorker whose engine has loaded (`wait_ready`); model_spec: what the
+    server was started with (`--model`), accepted as `model` beside the served id."""
     engine = worker.wait_ready()
     model_id = engine.lm.name
     methods = list(engine.methods)
@@ -69,7 +71,7 @@ def create_app(worker: GenerationWorker, method: str = "ar", api_key: Optional[s
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the body is not valid JSON: {exc}")
         # the base model's tokenizer and window (no MLX here: an APAR adapter loads on the generation thread)
-        return parse(body, engine.lm, model_id, methods, method, chat)
+        return parse(body, engine.lm, model_id, methods, method, chat, aliases=[model_spec] if model_spec else [])
 
     async def complete(request: HttpRequest, chat: bool):
         try:

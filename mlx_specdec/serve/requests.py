@@ -13,7 +13,7 @@ method registry (settings.py), as the CLI parses its flags: a bad value is a 400
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 from ..decoding import GenerationParams
 from ..settings import SAMPLING, SettingError, all_settings, resolve
@@ -72,12 +72,14 @@ def _messages(body: dict) -> List[Dict[str, str]]:
     return out
 
 
-def parse(body, lm, model_id: str, methods: List[str], default_method: str, chat: bool) -> Request:
-    """A validated request; raises ApiError."""
+def parse(body, lm, model_id: str, methods: List[str], default_method: str, chat: bool,
+          aliases: Sequence[str] = ()) -> Request:
+    """A validated request; raises ApiError. `model` may be the served id or an alias (the spec the
+    server was started with, e.g. 'default')."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
-    if model is not None and model != model_id:
+    if model is not None and model != model_id and model not in aliases:
         raise ApiError(404, f"the model '{model}' does not exist here; this server serves '{model_id}'", "model",
                        code="model_not_found")
     n = body.get("n")
