@@ -3,7 +3,7 @@
     python benchmarks/head_beside_lookup.py bench --methods redrafter --head-beside-lookup off \
         --prompts PROMPTS.jsonl --max-tokens 96
 
-Runs the given `mlx-specdec` command with `LookupFirst.draft`/`commit` wrapped: at every lookup step
+Runs the given `mlx-specdec` command with `FirstOffer.draft`/`commit` wrapped: at every lookup step
 it also reads the head's first draft (and confidence) and, after the step, the target's token
 there. Prints, by the head's confidence, how often the two first drafts differ and which one was
 right; `HEAD_BESIDE_LOOKUP` in drafting/runners_up.py is the head's hits over its summed confidence
@@ -18,12 +18,12 @@ import sys
 import numpy as np
 
 import mlx_specdec  # noqa: F401  (first: picks the system BLAS before mlx.core loads)
-from mlx_specdec.drafting import lookup as L
+from mlx_specdec.drafting import first_offer as L
 from mlx_specdec.drafting.base import read_host
 
 counts = collections.Counter()
 seen = []  # (head confidence, lookup right, head right, same first draft) per lookup step
-draft, commit = L.LookupFirst.draft, L.LookupFirst.commit
+draft, commit = L.FirstOffer.draft, L.FirstOffer.commit
 
 
 def counted_commit(self, tokens, verified=None):
@@ -46,13 +46,13 @@ def counted_draft(self, head, own):
     out = draft(self, head, own)
     head_beams, head_confidence = read_host(head.beams, head.confidence)  # a sync the decoder may skip
     self._pending = [(int(out.beams[b, 0, 1]), int(head_beams[b, 0, 1]), float(head_confidence[b, 0, 0]))
-                     if out.from_lookup[b] else (None, None, None) for b in range(len(own))]
+                     if out.from_host[b] else (None, None, None) for b in range(len(own))]
     self._step_tokens = None
     return out
 
 
 def main() -> None:
-    L.LookupFirst.draft, L.LookupFirst.commit = counted_draft, counted_commit
+    L.FirstOffer.draft, L.FirstOffer.commit = counted_draft, counted_commit
     from mlx_specdec.cli import main as cli
 
     cli(sys.argv[1:])

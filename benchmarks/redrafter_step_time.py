@@ -24,14 +24,14 @@ from mlx_specdec.bench_prompts import load_prompts
 from mlx_specdec.engine import Engine, GenerationParams
 
 REDRAFTER = importlib.import_module("mlx_specdec.decoding.redrafter")  # the module, not the function
-LOOKUP = importlib.import_module("mlx_specdec.drafting.lookup")
+LOOKUP = importlib.import_module("mlx_specdec.drafting.first_offer")
 HEAD = importlib.import_module("mlx_specdec.drafting.head_source")
 PARTS = (  # (module or class, attribute, name): what is timed
     (REDRAFTER, "forward", "verify graph build"),
     (REDRAFTER, "_read", "acceptance sync (verify compute)"),
     (LOOKUP, "read_host", "head's first draft sync"),
     (HEAD, "read_host", "head syncs (deeper drafts, runners-up)"),
-    (LOOKUP.LookupFirst, "commit", "lookup commit"),
+    (LOOKUP.FirstOffer, "commit", "lookup commit"),
 )
 
 

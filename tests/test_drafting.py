@@ -192,8 +192,8 @@ def test_middle_level_proposer_drafts_the_targets_chain_over_its_cache_and_follo
     `rollback` forgets the round."""
     from mlx_specdec.cache import ContiguousKVCache, QueryRecorder, RetrievalKVCache
     from mlx_specdec.decoding.base import GenerationParams
-    from mlx_specdec.decoding.triforce_bottom import Bottom
-    from mlx_specdec.drafting.middle import MiddleLevelProposer
+    from mlx_specdec.drafting.base import NoDrafts
+    from mlx_specdec.drafting.middle import Bottom, MiddleLevelProposer
     from mlx_specdec.model.forward import forward
 
     model = make_tiny_lm(seed=3, eos_id=96).model
@@ -203,7 +203,7 @@ def test_middle_level_proposer_drafts_the_targets_chain_over_its_cache_and_follo
     recorder = QueryRecorder(full)
     forward(model, mx.array([prompt[-1:]]), recorder, logits_for="none")
     small = RetrievalKVCache.build(full, recorder.queries(), 24)
-    middle = MiddleLevelProposer(model, full, small, Bottom(None, V, False), gamma=4, params=GenerationParams())
+    middle = MiddleLevelProposer(model, full, small, Bottom(NoDrafts(), V, False), gamma=4, params=GenerationParams())
 
     def chain_over(cache, token, length):  # the reference: greedy one token at a time, then undone
         out, x = [], token
@@ -229,3 +229,102 @@ def test_middle_level_proposer_drafts_the_targets_chain_over_its_cache_and_follo
         assert mx.array_equal(own, layer.keys[..., len(prompt):len(prompt) + 3, :])
     following = chain_over(small, want[2], 4)  # continues from the committed text
     assert middle.collect(want[2], None)[0] == following
+
+
+PROTOCOL = ("width", "length", "needs_hidden", "host_side", "begin", "propose", "draft_after", "commit", "rollback",
+            "select_rows", "judged")
+
+
+def every_source():
+    """One of each drafting source: name -> proposer."""
+    from test_redrafter import random_head
+
+    from mlx_specdec.cache import ContiguousKVCache, QueryRecorder, RetrievalKVCache
+    from mlx_specdec.decoding.base import GenerationParams
+    from mlx_specdec.distributed.drafters import ScriptedSource
+    from mlx_specdec.drafting import ModelProposer, PromptLookup
+    from mlx_specdec.drafting.base import NoDrafts
+    from mlx_specdec.drafting.middle import Bottom, MiddleLevelProposer
+    from mlx_specdec.model.forward import forward
+
+    lm = make_tiny_lm()
+    prompt = [(i * 7) % 50 + 3 for i in range(40)]
+    full = ContiguousKVCache.for_model(lm.model)
+    forward(lm.model, mx.array([prompt[:-1]]), full, logits_for="none")
+    recorder = QueryRecorder(full)
+    forward(lm.model, mx.array([prompt[-1:]]), recorder, logits_for="none")
+    small = RetrievalKVCache.build(full, recorder.queries(), 16)
+    return {"head": HeadProposer(random_head(lm), lm.model.model.embed_tokens, 1, 3, vocab=V),
+            "ngram": NgramProposer(1, 3, vocab=V), "lookup": PromptLookup(2, V),
+            "draft model": ModelProposer(make_tiny_lm(seed=5, layers=1).model, 3, V, window=64),
+            "middle level": MiddleLevelProposer(lm.model, full, small, Bottom(NoDrafts(), V, False), gamma=2,
+                                                params=GenerationParams()),
+            "none": NoDrafts(), "scripted": ScriptedSource([5, 6, 7], vocab=V)}
+
+
+def test_every_drafting_source_follows_the_one_protocol():
+    """Each source has every member of `base.Proposer`, drafts through it with a confidence for
+    each drafted token, and a device-side source offers nothing on the host."""
+    for name, source in every_source().items():
+        missing = [m for m in PROTOCOL if not hasattr(source, m)]
+        assert not missing, (name, missing)
+        if name == "middle level":
+            continue  # it needs the caches its triforce run keeps (tests above and tests/test_triforce.py)
+        source.begin([[1, 2, 3, 1, 2]])
+        hidden = mx.zeros((1, 64)) if source.needs_hidden else None
+        proposal = source.propose(mx.array([3]), hidden)
+        assert proposal.beams.shape[:2] == (1, source.width) and proposal.confidence is not None, name
+        assert proposal.confidence.shape == proposal.beams.shape[:2] + (proposal.beams.shape[2] - 1,), name
+        chains = source.draft_after([3])
+        assert len(chains) == 1 and (source.host_side or chains[0] is None), name
+        source.commit([[3, 1]])
+        source.judged([1], [1])
+        source.rollback([5])
+        source.select_rows([0])
+
+
+def test_no_caller_dispatches_on_the_kind_of_source():
+    """TriForce's bottom, redrafter's lookup-first composition and PipeInfer's drafters talk to
+    sources only through the protocol: no isinstance or hasattr on them."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "mlx_specdec"
+    for path in ("decoding/triforce_bottom.py", "decoding/triforce.py", "drafting/middle.py",
+                 "drafting/first_offer.py", "distributed/drafters.py", "decoding/redrafter.py"):
+        text = (root / path).read_text()
+        assert "isinstance(" not in text and "hasattr(" not in text, path
+
+
+def test_the_pipeline_drafters_draft_through_their_sources():
+    """PipeInfer's first rank asks `draft(seq, committed, k)`: a host-side source drafts after the
+    tip of seq (its text following seq as it grows and is cut back), a head from the hidden state
+    it observed, while the tail in flight is its chain's prefix."""
+    from mlx_specdec.distributed.drafters import HeadDrafter, NgramDrafter, ScriptedDrafter
+    from mlx_specdec.redrafter_head.beam import beam_search
+    from test_redrafter import random_head
+
+    ngram = NgramDrafter(vocab=V, length=4)
+    ngram.begin([5, 6, 7, 8, 9, 5, 6])
+    assert ngram.draft([5, 6, 7, 8, 9, 5, 6], 7, 2) == ([7, 8], [0.5, 0.5])
+    ngram.outcome(False)  # its confidence: the running acceptance rate
+    tokens, confidence = ngram.draft([5, 6, 7, 8, 9, 5, 6, 7, 8], 7, 3)  # a speculative tail: 7 8
+    assert tokens == [9, 5, 6] and confidence == [pytest.approx(0.4)] * 3
+    assert ngram.draft([5, 6, 7, 8, 9, 5, 6, 1], 8, 3) == ([], [])  # cut back, "6 1" never seen
+
+    scripted = ScriptedDrafter([10, 11, 12, 13], wrong_at=[2], vocab=V)
+    scripted.begin([1, 2, 3])
+    assert scripted.draft([1, 2, 3], 3, 3) == ([10, 11, 13 % V], [1.0] * 3)  # answer index 2 drafted wrong
+    assert scripted.draft([1, 2, 3, 10, 11], 4, 5) == ([13, 13], [1.0, 1.0])
+
+    lm = make_tiny_lm()
+    head = random_head(lm)
+    embed = lm.model.model.embed_tokens
+    drafter = HeadDrafter(head, embed, V, 3)
+    hidden = mx.random.normal((64,))
+    drafter.observe(hidden, 7, 4)
+    want = beam_search(head, embed, hidden[None], mx.array([7]), 1, 4)
+    assert drafter.chain == np.array(want.beams)[0, 0, 1:].tolist()
+    np.testing.assert_allclose(drafter.confidence, np.array(want.confidence)[0, 0], rtol=1e-5)
+    assert drafter.draft([0] * 5, 5, 2) == (drafter.chain[:2], drafter.confidence[:2])
+    assert drafter.draft([0] * 5 + [drafter.chain[0]], 5, 5)[0] == drafter.chain[1:]
+    assert drafter.draft([0] * 6, 6, 2) == ([], [])  # newer committed text than the chain

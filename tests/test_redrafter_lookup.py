@@ -7,7 +7,8 @@ import pytest
 
 from mlx_specdec.drafting.base import Proposal
 from mlx_specdec.drafting.calibration import DraftTrust
-from mlx_specdec.drafting.lookup import (LOOKUP_CONFIDENCE, STREAK_CONFIDENCE, STREAK_LONGEST, LookupFirst,
+from mlx_specdec.drafting.first_offer import FirstOffer
+from mlx_specdec.drafting.lookup import (LOOKUP_CONFIDENCE, STREAK_CONFIDENCE, STREAK_LONGEST, PromptLookup,
                                          lookup_confidence)
 
 from conftest import make_tiny_lm
@@ -83,17 +84,22 @@ def test_sampling_with_lookup_samples_the_models_distribution(temperature, top_p
                                     {"beam_width": 2, "beam_length": 3, "draft_cutoff": cutoff, "lookup": 3})
 
 
+def lookup_first(drafts, vocab):
+    """Prompt lookup in front of the head, as redrafter composes them (`--sources lookup,head`)."""
+    return FirstOffer([PromptLookup(drafts, vocab)], vocab)
+
+
 def _head_proposal(beams, confidence, probs=None):
     beams = mx.array(np.array(beams, dtype=np.int32))
     return Proposal(beams, mx.zeros(beams.shape, dtype=mx.int32), probs, mx.array(np.array(confidence, np.float32)))
 
 
 def test_a_row_drafts_from_the_lookup_or_the_head_padded_to_one_length():
-    lookup = LookupFirst(drafts=4, vocab=50)
+    lookup = lookup_first(4, 50)
     lookup.begin([[1, 2, 3, 4, 5, 1, 2], [10, 11, 12]])  # row 0: "1 2" then "3 4 5" seen before
     head = _head_proposal([[[3, 20, 21]], [[13, 30, 31]]], [[[0.9, 0.5]], [[0.6, 0.1]]])
     drafted = lookup.draft(head, np.array([3, 13]))  # row 0's suffix "2 3" was seen: a lookup
-    assert drafted.from_lookup.tolist() == [True, False]
+    assert drafted.from_host.tolist() == [True, False]
     assert drafted.beams[0, 0].tolist() == [3, 4, 5, 1, 2]  # what followed "2 3": 4 5 1 2
     assert drafted.confidence[0, 0].tolist() == pytest.approx(LOOKUP_CONFIDENCE[:4])  # measured, per depth
     assert drafted.beams[1, 0].tolist() == [13, 30, 31, 31, 31]  # the head's, its last token repeated
@@ -102,7 +108,7 @@ def test_a_row_drafts_from_the_lookup_or_the_head_padded_to_one_length():
 
 
 def test_a_short_lookup_is_padded_and_padding_is_never_trusted():
-    lookup = LookupFirst(drafts=4, vocab=50)
+    lookup = lookup_first(4, 50)
     lookup.begin([[7, 8, 9, 7]])  # after own token 8: "7 8" seen, followed by 9 7 (then the text ends)
     head = _head_proposal([[[8, 1, 2]]], [[[0.5, 0.5]]])
     drafted = lookup.draft(head, np.array([8]))
@@ -123,39 +129,39 @@ def _loop_step(lookup, own, accepted, verified=None):
 
 
 def test_a_lookup_accepted_whole_doubles_the_next_one_and_carries_the_streak_s_acceptance():
-    lookup = LookupFirst(drafts=2, vocab=50)
+    lookup = lookup_first(2, 50)
     lookup.begin([LOOP])
     drafted, follow = _loop_step(lookup, 1, accepted=2)  # "8 1" seen: 2 3 drafted, both accepted
     assert follow == [2, 3] and drafted.confidence[0, 0].tolist() == pytest.approx(LOOKUP_CONFIDENCE[:2])
-    assert lookup.streak.tolist() == [True] and lookup.allowed.tolist() == [4]
+    assert lookup.sources[0].streak.tolist() == [True] and lookup.sources[0].allowed.tolist() == [4]
     drafted, follow = _loop_step(lookup, 4, accepted=4)
     assert follow == [5, 6, 7, 8]
     assert drafted.confidence[0, 0].tolist() == pytest.approx(STREAK_CONFIDENCE[:4])
-    assert lookup.allowed.tolist() == [2 * STREAK_LONGEST]  # 8: the longest a streak may draft
+    assert lookup.sources[0].allowed.tolist() == [2 * STREAK_LONGEST]  # 8: the longest a streak may draft
     drafted, follow = _loop_step(lookup, 1, accepted=3)  # a miss at the fourth draft ends the streak
     assert len(follow) == 2 * STREAK_LONGEST
-    assert lookup.streak.tolist() == [False] and lookup.allowed.tolist() == [2]
+    assert lookup.sources[0].streak.tolist() == [False] and lookup.sources[0].allowed.tolist() == [2]
 
 
 def test_a_streak_counts_only_the_drafts_the_step_verified_and_a_head_step_ends_it():
-    lookup = LookupFirst(drafts=4, vocab=50)
+    lookup = lookup_first(4, 50)
     lookup.begin([LOOP, [30, 31, 32]])
     head = _head_proposal([[[1, 0, 0]], [[33, 40, 41]]], [[[0.1, 0.1]], [[0.9, 0.9]]])
     drafted = lookup.draft(head, np.array([1, 33]))
-    assert drafted.from_lookup.tolist() == [True, False]
+    assert drafted.from_host.tolist() == [True, False]
     # The cost rule verified one draft: row 0's one was accepted (a streak), row 1's head draft too.
     lookup.commit([[1, 2], [33, 40]], verified=1)
-    assert lookup.streak.tolist() == [True, False] and lookup.allowed.tolist() == [8, 4]
+    assert lookup.sources[0].streak.tolist() == [True, False] and lookup.sources[0].allowed.tolist() == [8, 4]
 
 
 def test_lookup_rows_carry_one_hot_draft_probabilities_and_head_rows_the_head_s():
-    lookup = LookupFirst(drafts=2, vocab=6)
+    lookup = lookup_first(2, 6)
     lookup.begin([[1, 2, 3, 1], [4, 5]])
     head_probs = mx.array(np.full((2, 1, 2, 6), 1 / 6, dtype=np.float32))
     head = _head_proposal([[[2, 0, 0]], [[5, 1, 1]]], [[[0.5, 0.5]], [[0.5, 0.5]]], probs=head_probs)
     drafted = lookup.draft(head, np.array([2, 5]))  # row 0: "1 2" seen -> 3; row 1: no lookup
     q = np.array(drafted.proposal.draft_probs)
-    assert drafted.from_lookup.tolist() == [True, False]
+    assert drafted.from_host.tolist() == [True, False]
     assert q[0, 0, 0].tolist() == [0, 0, 0, 1, 0, 0]  # the drafted 3, with probability 1
     assert np.allclose(q[1, 0], 1 / 6)
 

@@ -137,7 +137,7 @@ def test_eager_drafts_verify_the_same_trees_in_one_host_sync_a_step(monkeypatch,
 
     redrafter = importlib.import_module("mlx_specdec.decoding.redrafter")
     head_proposer = importlib.import_module("mlx_specdec.drafting.head_source")
-    lookup_proposer = importlib.import_module("mlx_specdec.drafting.lookup")
+    lookup_proposer = importlib.import_module("mlx_specdec.drafting.first_offer")
 
     lm = make_tiny_lm(seed=3, eos_id=96)
     engine = engine_with(lm, oracle_head(lm, PROMPTS, corrupt=0.3))

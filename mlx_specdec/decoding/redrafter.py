@@ -50,7 +50,8 @@ from ..drafting.tree import pack_beams
 from ..drafting import HeadProposer, Proposal, select_rows
 from ..drafting.calibration import DraftTrust
 from ..drafting.base import read_host as _read
-from ..drafting.lookup import LookupFirst
+from ..drafting.first_offer import FirstOffer
+from ..drafting.lookup import PromptLookup
 from ..drafting.runners_up import StepRunnersUp
 from ..drafting.verify_cost import RateMeter, kept_length, worth_verifying
 from ..errors import UserError
@@ -145,7 +146,8 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     proposer = HeadProposer(head, embed, width, length, vocab=int(model.args.vocab_size),
                             temperature=0.0 if greedy else params.temperature, stepwise=stepwise,
                             runners_up=runners_up, runner_depths=runner_depths)
-    lookup = LookupFirst(lookup_drafts, vocab=int(model.args.vocab_size)) if lookup_drafts > 0 else None
+    vocab = int(model.args.vocab_size)
+    lookup = FirstOffer([PromptLookup(lookup_drafts, vocab)], vocab) if lookup_drafts > 0 else None
 
     def own_token(logits: mx.array) -> mx.array:  # (B, V) -> (B,) the target's own choice
         if greedy:
@@ -241,7 +243,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
         if lookup is None:
             beams, owner, confidence = _read(drafts.beams, drafts.owner, drafts.confidence)  # host sync: the first drafts
         else:
-            drafts, beams, owner, confidence, from_lookup = lookup.draft(drafts, own)
+            drafts, beams, owner, confidence, _, from_lookup = lookup.draft(drafts, own)
         drafts, beams, owner, confidence = deepen(drafts, beams, owner, confidence, from_lookup)
     try:
         while rows:
@@ -323,7 +325,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
                 head_drafts = (drafts.beams, drafts.owner, drafts.confidence) if eager else ()
                 best, accepted, token, *_ = _read(result.beam, result.num_accepted, result.next_token, *head_drafts)
                 lookup.commit([beams[b, best[b], : accepted[b] + 1] for b in range(len(rows))], verified=step_length - 1)
-                drafts, next_beams, next_owner, next_confidence, next_from_lookup = lookup.draft(drafts, token)
+                drafts, next_beams, next_owner, next_confidence, _, next_from_lookup = lookup.draft(drafts, token)
             mark("sync_s", t0)
 
             # The chains' drafts: where a runner-up (the beams after the W chains) at depth k was

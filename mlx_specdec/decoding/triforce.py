@@ -40,18 +40,22 @@ import mlx.core as mx
 
 from ..cache import QueryRecorder, RetrievalKVCache
 from ..cache.retrieval import attention_recall
-from ..drafting.middle import ChainVerifier, MiddleLevelProposer
+from ..drafting.middle import Bottom, ChainVerifier, MiddleLevelProposer
 from ..errors import UserError
 from ..model.forward import forward
 from .base import DecodeContext, Step, keep_prefix, prefilled_cache
-from .triforce_bottom import BOTTOMS, make_bottom  # noqa: F401  (BOTTOMS: the choices, for the chat)
+from .triforce_bottom import BOTTOMS, DEFAULT_BOTTOM, make_bottom  # noqa: F401  (BOTTOMS: the choices)
 
 DEFAULT_BUDGET = 512  # retrieved prompt keys per KV head
 DEFAULT_GAMMA = 6  # tokens the middle level collects per top verify (γ2)
 DEFAULT_DRAFT = 3  # tokens the bottom level drafts per middle verify (γ1)
-DEFAULT_SCORE_WINDOW = 16  # last prompt tokens whose queries score the chunks (the paper: 1; measured:
-# on 2K pass-key prompts 16 found the key at every depth where 1 and 64 did not,
-# benchmarks/results/issue16_needle_scoring.md)
+# The last prompt tokens whose queries score the chunks (the paper uses 1): the question rather
+# than the chat template's last token.
+DEFAULT_SCORE_WINDOW = 16
+DEFAULT_MIDDLE_CACHE = "retrieval"
+DEFAULT_REBUILD_STRIDE = 0  # rebuild the retrieval cache every this many tokens (0: never)
+DEFAULT_REBUILD_BELOW = 0.0  # ... or when the rolling middle acceptance falls below this (0: never)
+DEFAULT_SCORE_REDUCE = "mean"  # how a chunk's score pools the query heads of a KV group (mean or max)
 ROLLING_ROUNDS = 8  # rounds in the rolling middle acceptance that `rebuild_below` watches
 MIDDLE_CACHES = ("retrieval", "streaming")
 
@@ -59,12 +63,13 @@ MIDDLE_CACHES = ("retrieval", "streaming")
 def _settings(ctx: DecodeContext) -> dict:
     options = ctx.params.options
     s = dict(budget=int(options.get("budget", DEFAULT_BUDGET)), gamma=int(options.get("gamma", DEFAULT_GAMMA)),
-             draft_length=int(options.get("draft_length", DEFAULT_DRAFT)), bottom=str(options.get("bottom", "ngram")),
-             middle_cache=str(options.get("middle_cache", "retrieval")),
-             rebuild_stride=int(options.get("rebuild_stride", 0)),
-             rebuild_below=float(options.get("rebuild_below", 0.0)),
+             draft_length=int(options.get("draft_length", DEFAULT_DRAFT)),
+             bottom=str(options.get("bottom", DEFAULT_BOTTOM)),
+             middle_cache=str(options.get("middle_cache", DEFAULT_MIDDLE_CACHE)),
+             rebuild_stride=int(options.get("rebuild_stride", DEFAULT_REBUILD_STRIDE)),
+             rebuild_below=float(options.get("rebuild_below", DEFAULT_REBUILD_BELOW)),
              score_window=int(options.get("score_window", DEFAULT_SCORE_WINDOW)),
-             score_reduce=str(options.get("score_reduce", "mean")))
+             score_reduce=str(options.get("score_reduce", DEFAULT_SCORE_REDUCE)))
     if s["score_reduce"] not in ("mean", "max"):
         raise UserError(f"--score-reduce is mean or max, not {s['score_reduce']!r}")
     if s["middle_cache"] not in MIDDLE_CACHES:
@@ -81,7 +86,8 @@ def triforce(ctx: DecodeContext) -> Iterator[Step]:
     model, stats, prompt = ctx.lm.model, ctx.stats, ctx.prompt
     gamma = s["gamma"]
     # before the prefill, so that a missing draft model or head costs no long prefill
-    bottom = make_bottom(s["bottom"], ctx, s["draft_length"], vocab=ctx.lm.model.model.embed_tokens.weight.shape[0])
+    vocab = ctx.lm.model.model.embed_tokens.weight.shape[0]
+    bottom = Bottom(make_bottom(s["bottom"], ctx, s["draft_length"], vocab), vocab, sampling=not ctx.params.greedy)
 
     window = min(s["score_window"], len(prompt))
     full = prefilled_cache(ctx, prompt[:-window])  # resumed from the last turn's prompt in a chat
@@ -103,7 +109,7 @@ def triforce(ctx: DecodeContext) -> Iterator[Step]:
     recall = attention_recall(recorder.queries(), full, middle_cache.positions)
     top = ChainVerifier(model, full, ctx.params)
     middle = MiddleLevelProposer(model, full, middle_cache, bottom, gamma, ctx.params)
-    bottom.begin(prompt)
+    middle.begin([prompt])
     counts = dict(top_drafted=0, top_accepted=0, top_forwards=0, rebuilds=0)
     rolling = deque(maxlen=ROLLING_ROUNDS)  # per round: accepted / drafted at the top verify
     since_build = 0
@@ -134,6 +140,7 @@ def triforce(ctx: DecodeContext) -> Iterator[Step]:
             counts["top_drafted"] += len(drafts)
             counts["top_accepted"] += n
             rolling.append(n / len(drafts))
+            middle.judged([len(drafts)], [n])
             full.trim(len(drafts) - n)  # keep the last token and the accepted drafts
             since_build += 1 + n
             # both levels continue from the same text: the middle cache drops what it wrote this

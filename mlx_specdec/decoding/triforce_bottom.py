@@ -1,81 +1,57 @@
-"""TriForce's bottom level: a proposer from the drafting layer behind one small adapter.
+"""TriForce's bottom level: a drafting source chosen by name (`--bottom`), built for one sequence.
 
-    draft(x, hidden) -> (up to γ1 tokens after x, their draft distributions (k, V) or None)
+    ngram      prompt lookup (free: no model)
+    none       no drafts: the middle level writes one token per forward
+    model      a small same-tokenizer draft model over a StreamingLLM cache (`--draft-model`)
+    redrafter  the ReDrafter head on the middle level's hidden state
 
-None when greedy (only the tokens matter); when sampling, each row is the distribution its token
-was drawn from (q): one-hot for deterministic drafts (n-gram lookup), the draft model's or the
-head's own distribution otherwise. `commit` and `rollback` keep the proposer's text equal to
-what the level above holds (the middle level's accepted tokens; cut back to the top level's).
+The middle level drafts through it as through any source (`drafting.middle.Bottom`).
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
-
-import mlx.core as mx
-
-from ..drafting import HeadProposer, ModelProposer, NgramProposer, one_hot_probs
+from ..drafting import HeadProposer, ModelProposer, NgramProposer
+from ..drafting.base import NoDrafts, Proposer
 from ..errors import UserError
 
-BOTTOMS = ("ngram", "none", "model", "redrafter")
+DEFAULT_BOTTOM = "ngram"
+DEFAULT_DRAFT_SINK = 16  # the draft model's cache: first tokens kept (the attention sink)
+DEFAULT_DRAFT_WINDOW = 240  # ... and the most recent tokens kept
 
 
-class Bottom:
-    def __init__(self, proposer, vocab: int, sampling: bool):
-        self.proposer, self.vocab, self.sampling = proposer, vocab, sampling
-
-    def begin(self, prompt: Sequence[int]) -> None:
-        if hasattr(self.proposer, "begin"):
-            self.proposer.begin([prompt])
-
-    def draft(self, x: int, hidden: Optional[mx.array]) -> Tuple[List[int], Optional[mx.array]]:
-        if self.proposer is None:
-            return [], None
-        if isinstance(self.proposer, NgramProposer):  # host-side lookup; no match drafts nothing
-            found = self.proposer.continuations(0, x)
-            tokens = found[0] if found else []
-            if not tokens or not self.sampling:
-                return tokens, None
-            return tokens, one_hot_probs(mx.array([[[x] + tokens]]), self.vocab)[0, 0]
-        if hidden is None and isinstance(self.proposer, HeadProposer):
-            return [], None  # the round's first middle forward has no hidden state yet for the head
-        proposal = self.proposer.propose(mx.array([x]), hidden)
-        tokens = [int(t) for t in proposal.beams[0, 0, 1:].tolist()]  # host sync (the drafts' values)
-        probs = None if proposal.draft_probs is None else proposal.draft_probs[0, 0]
-        return tokens, probs
-
-    def commit(self, tokens: Sequence[int]) -> None:
-        if self.proposer is not None:
-            self.proposer.commit([list(tokens)])
-
-    def rollback(self, length: int) -> None:
-        if self.proposer is not None:
-            self.proposer.rollback([length])
+def _ngram(ctx, length: int, vocab: int) -> Proposer:
+    return NgramProposer(1, length, vocab=vocab)
 
 
-def make_bottom(name: str, ctx, draft_length: int, vocab: int) -> Bottom:
-    """The bottom proposer `name` for this generation (resources: "draft_model", "drafter");
-    vocab: the width of the target's logits."""
-    if name not in BOTTOMS:
-        raise UserError(f"--bottom is {', '.join(BOTTOMS)}, not {name!r}")
-    params = ctx.params
-    sampling = not params.greedy
-    if name == "none":
-        return Bottom(None, vocab, sampling)
-    if name == "ngram":
-        return Bottom(NgramProposer(1, draft_length + 1, vocab=vocab), vocab, sampling)
-    if name == "model":
-        draft = ctx.resources.get("draft_model")
-        if draft is None:
-            raise UserError("--bottom model needs a small draft model with the target's tokenizer: "
-                            "pass --draft-model PATH")
-        options = params.options
-        sink, window = int(options.get("draft_sink", 16)), int(options.get("draft_window", 240))
-        return Bottom(ModelProposer(draft.model, draft_length + 1, vocab, sink=sink, window=window,
-                                    temperature=params.temperature, top_p=params.top_p), vocab, sampling)
+def _none(ctx, length: int, vocab: int) -> Proposer:
+    return NoDrafts()
+
+
+def _model(ctx, length: int, vocab: int) -> Proposer:
+    draft = ctx.resources.get("draft_model")
+    if draft is None:
+        raise UserError("--bottom model needs a small draft model with the target's tokenizer: "
+                        "pass --draft-model PATH")
+    options, params = ctx.params.options, ctx.params
+    return ModelProposer(draft.model, length, vocab, sink=int(options.get("draft_sink", DEFAULT_DRAFT_SINK)),
+                         window=int(options.get("draft_window", DEFAULT_DRAFT_WINDOW)),
+                         temperature=params.temperature, top_p=params.top_p)
+
+
+def _head(ctx, length: int, vocab: int) -> Proposer:
     head = ctx.resources.get("drafter")
     if head is None:
         raise UserError("--bottom redrafter needs a trained draft head for this model (none found)")
-    embed = ctx.lm.model.model.embed_tokens
-    return Bottom(HeadProposer(head, embed, 1, draft_length + 1, vocab, temperature=params.temperature),
-                  vocab, sampling)
+    return HeadProposer(head, ctx.lm.model.model.embed_tokens, 1, length, vocab, temperature=ctx.params.temperature)
+
+
+_FACTORIES = {"ngram": _ngram, "none": _none, "model": _model, "redrafter": _head}
+BOTTOMS = tuple(_FACTORIES)  # TriForce's bottom choices
+
+
+def make_bottom(name: str, ctx, draft_length: int, vocab: int) -> Proposer:
+    """The bottom source `name` for this generation, drafting `draft_length` tokens (resources:
+    "draft_model", "drafter"); vocab: the width of the target's logits."""
+    if name not in _FACTORIES:
+        raise UserError(f"--bottom is {', '.join(BOTTOMS)}, not {name!r}")
+    return _FACTORIES[name](ctx, draft_length + 1, vocab)

@@ -1,21 +1,26 @@
-"""Chain drafts for the pipeline's head, from the drafting layer's proposers.
+"""Chain drafts for the pipeline's first rank, from the drafting layer's sources.
 
-    draft(seq, committed, k) -> (up to k tokens continuing seq, the drafter's confidence in each)
+    draft(seq, committed, k) -> (up to k tokens continuing seq, the source's confidence in each)
 
-`seq` is everything the head has committed or sent (committed text, then the speculative tokens in
-flight); `committed` how much of it is committed. Continuous speculation asks again and again as
-the speculative tail grows, so a drafter continues the tail, not only the committed text.
-`outcome(accepted)` tells it each verified draft's fate; `observe(hidden, token, position)` hands the drafter the final hidden state that produced a newly committed
-token (the ReDrafter head drafts from it).
+`seq` is everything the first rank has committed or sent (committed text, then the speculative
+tokens in flight); `committed` how much of it is committed. Continuous speculation asks again
+and again as the speculative tail grows, so a drafter continues the tail, not only the committed
+text. `outcome(accepted)` tells it each verified draft's fate (the source's `judged`);
+`observe(hidden, token, position)` hands it the final hidden state that produced a newly
+committed token (a source that `needs_hidden` drafts from it).
 
-- `NgramDrafter`: prompt lookup over seq (`drafting.NgramProposer`); confidence: the running
-  acceptance rate of its drafts (a lookup has no probability of its own).
-- `HeadDrafter`: the ReDrafter head's chain from the newest committed token's hidden state
-  (redrafter_head/beam.py's greedy search, one beam), handed out in micro-batches while the tail in
-  flight is its prefix; confidence: the head's own probability of each token.
-- `ScriptedDrafter`: a given continuation with wrong tokens at chosen answer positions. Tests
-  force rejections and cancellations with it, and the bench uses it to measure the pipeline's
-  scheduling apart from any drafter's quality ("oracle" rows, labelled as such).
+`PipelineDrafter` adapts any source of the drafting protocol:
+- a host-side source keeps seq but its tip as its text (committed and rolled back as seq moves)
+  and drafts after the tip (`draft_after`);
+- a source that needs the hidden state drafts a chain from the newest committed token's state
+  (`propose`), handed out in micro-batches while the tail in flight is its prefix.
+
+`NgramDrafter` (prompt lookup; confidence: the running acceptance rate of its drafts),
+`HeadDrafter` (the ReDrafter head's greedy chain; confidence: the head's probability of each
+token) and `ScriptedDrafter` are it over one source each. `ScriptedSource` drafts a given
+continuation with wrong tokens at chosen answer positions: tests force rejections and
+cancellations with it, and the bench uses it to measure the pipeline's scheduling apart from any
+drafter's quality ("oracle" rows, labelled as such).
 """
 
 from __future__ import annotations
@@ -23,64 +28,54 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+import numpy as np
 
 from ..cache.prefix import common_prefix
-from ..drafting import NgramProposer
+from ..drafting import HeadProposer, NgramProposer, Proposer
+from ..drafting.base import Chain, HostSideDefaults, read_host
 
 
-class NgramDrafter:
-    RATE_WEIGHT = 0.2  # the newest draft's weight in the running acceptance rate
-
-    def __init__(self, vocab: int, length: int = 8):
-        self.proposer = NgramProposer(1, length + 1, vocab)
-        self.known: List[int] = []
-        self.rate = 0.5  # running acceptance rate of its drafts: its confidence
-
-    def outcome(self, accepted: bool) -> None:
-        self.rate += self.RATE_WEIGHT * (float(accepted) - self.rate)
-
-    def begin(self, prompt: Sequence[int]) -> None:
-        self.proposer.begin([list(prompt[:-1])])
-        self.known = list(prompt[:-1])
-
-    def observe(self, hidden: Optional[mx.array], token: int, position: int) -> None:
-        pass
-
-    def draft(self, seq: Sequence[int], committed: int, k: int) -> Tuple[List[int], List[float]]:
-        body = list(seq[:-1])  # the proposer's text: everything before the tip
-        keep = common_prefix(self.known, body)
-        if keep < len(self.known):
-            self.proposer.rollback([keep])
-        if keep < len(body):
-            self.proposer.commit([body[keep:]])
-        self.known = body
-        found = self.proposer.continuations(0, seq[-1])
-        tokens = found[0][:k] if found else []
-        return tokens, [self.rate] * len(tokens)
-
-
-class HeadDrafter:
-    needs_hidden = True  # the last stage sends the final hidden states with its tokens
-
-    def __init__(self, head, embed, vocab: int, length: int):
-        self.chain: List[int] = []  # drafts after the newest committed token
+class PipelineDrafter:
+    def __init__(self, source: Proposer):
+        self.source = source
+        self.needs_hidden = source.needs_hidden  # the last stage sends the final hidden states with its tokens
+        self.known: List[int] = []  # host-side: the text the source holds
+        self.chain: List[int] = []  # needs_hidden: drafts after the newest committed token
         self.chain_at = -1  # that token's position in seq
         self.confidence: List[float] = []
-        self._draft = _compiled_chain(head, embed, length + 1)
 
     def begin(self, prompt: Sequence[int]) -> None:
+        self.source.begin([list(prompt[:-1])])  # the text before the tip: the tip is the token drafted after
+        self.known = list(prompt[:-1])
         self.chain, self.chain_at, self.confidence = [], -1, []
 
     def outcome(self, accepted: bool) -> None:
-        pass
+        self.source.judged([1], [int(accepted)])
 
     def observe(self, hidden: Optional[mx.array], token: int, position: int) -> None:
-        tokens, probs = self._draft(hidden[None], mx.array([token]))
-        mx.eval(tokens, probs)  # host sync: the drafts' values
-        self.chain, self.confidence = tokens.tolist(), probs.tolist()
+        if not self.needs_hidden:
+            return
+        proposal = self.source.propose(mx.array([token]), hidden[None])
+        beams, confidence = read_host(proposal.beams, proposal.confidence)  # host sync: the drafts' values
+        self.chain, self.confidence = beams[0, 0, 1:].tolist(), confidence[0, 0].tolist()
         self.chain_at = position
 
     def draft(self, seq: Sequence[int], committed: int, k: int) -> Tuple[List[int], List[float]]:
+        if self.needs_hidden:
+            return self._from_chain(seq, committed, k)
+        body = list(seq[:-1])  # the source's text: everything before the tip
+        keep = common_prefix(self.known, body)
+        if keep < len(self.known):
+            self.source.rollback([keep])
+        if keep < len(body):
+            self.source.commit([body[keep:]])
+        self.known = body
+        chain = self.source.draft_after([seq[-1]])[0]
+        if chain is None:
+            return [], []
+        return list(chain.tokens[:k]), chain.confidence[:k].tolist()
+
+    def _from_chain(self, seq: Sequence[int], committed: int, k: int) -> Tuple[List[int], List[float]]:
         if self.chain_at != committed - 1:
             return [], []
         tail = list(seq[committed:])
@@ -90,55 +85,51 @@ class HeadDrafter:
         return rest, self.confidence[len(tail): len(tail) + len(rest)]
 
 
-def _compiled_chain(head, embed, length: int):
-    """(hidden (1, D), token (1,)) -> (length - 1 greedy drafts, the head's probability of each):
-    one compiled graph (as redrafter_head/beam.py's beam search, one beam, keeping the probabilities)."""
-    from ..redrafter_head.beam import _start
-
-    def chain(hidden, token):
-        state, hid, _ = _start(head, embed, hidden, token, 1)  # (1, 1, E), (1, 1, D)
-        tokens, probs = [], []
-        for _ in range(length - 1):
-            logits = head.logits(state, hid).astype(mx.float32)  # (1, 1, K)
-            best = mx.argmax(logits, axis=-1)  # (1, 1)
-            probs.append(mx.softmax(logits, axis=-1).max(axis=-1)[0, 0])
-            full = head.draft_to_full[best]  # (1, 1) full-vocabulary id
-            tokens.append(full[0, 0])
-            state = head.next_state(state, embed(full))
-        return mx.stack(tokens), mx.stack(probs)
-
-    return mx.compile(chain)
+class NgramDrafter(PipelineDrafter):
+    def __init__(self, vocab: int, length: int = 8):
+        super().__init__(NgramProposer(1, length + 1, vocab))
 
 
-class ScriptedDrafter:
+class HeadDrafter(PipelineDrafter):
+    def __init__(self, head, embed, vocab: int, length: int):
+        super().__init__(HeadProposer(head, embed, 1, length + 1, vocab))
+
+
+class ScriptedDrafter(PipelineDrafter):
     def __init__(self, continuation: Sequence[int], wrong_at: Sequence[int] = (), vocab: int = 0,
                  prompt_length: int = 0):
-        """continuation: the answer the target will write; wrong_at: answer indices drafted wrong."""
+        super().__init__(ScriptedSource(continuation, wrong_at, vocab, prompt_length))
+
+
+class ScriptedSource(HostSideDefaults):
+    def __init__(self, continuation: Sequence[int], wrong_at: Sequence[int] = (), vocab: int = 0,
+                 prompt_length: int = 0):
+        """continuation: the answer the target will write; wrong_at: answer indices drafted wrong;
+        prompt_length: the prompt's length with its last token (`begin` sets it)."""
         self.continuation = list(continuation)
         self.wrong: Dict[int, int] = {}
         for index in wrong_at:
             if 0 <= index < len(self.continuation):
                 self.wrong[index] = (self.continuation[index] + 1) % max(vocab, 2)
-        self.prompt_length = prompt_length
+        self.vocab, self.length = vocab, len(self.continuation) + 1
+        self.answer_start = prompt_length  # the answer's first position: the prompt's length, its last token included
+        self.text_length = max(prompt_length - 1, 0)
 
-    def begin(self, prompt: Sequence[int]) -> None:
-        self.prompt_length = len(prompt)
+    def begin(self, prompts: Sequence[Sequence[int]]) -> None:
+        self.text_length = len(prompts[0])
+        self.answer_start = self.text_length + 1  # the prompt's last token is the first drafted after
 
-    def outcome(self, accepted: bool) -> None:
-        pass
+    def commit(self, tokens: Sequence[Sequence[int]]) -> None:
+        self.text_length += len(tokens[0])
 
-    def observe(self, hidden, token: int, position: int) -> None:
-        pass
+    def rollback(self, lengths: Optional[Sequence[int]] = None) -> None:
+        if lengths is not None:
+            self.text_length = int(lengths[0])
 
-    def draft(self, seq: Sequence[int], committed: int, k: int) -> Tuple[List[int], List[float]]:
-        start = len(seq) - self.prompt_length  # the answer index of the next token
-        first = committed - self.prompt_length  # the answer index of the speculative tail
-        if any(t != self._at(first + i) for i, t in enumerate(seq[committed:])):
-            return [], []  # the tail follows a wrong draft: nothing sensible to add
-        tokens = [self._at(i) for i in range(start, min(start + k, len(self.continuation)))]
-        return tokens, [1.0] * len(tokens)
+    def draft_after(self, tokens: Sequence[int], rows=None) -> List[Optional[Chain]]:
+        start = self.text_length + 1 - self.answer_start  # the answer index of the next token
+        drafted = [self._at(i) for i in range(max(start, 0), len(self.continuation))]
+        return [Chain(drafted, np.ones(len(drafted))) if drafted else None]
 
     def _at(self, index: int) -> int:
-        if index >= len(self.continuation):
-            return -1
         return self.wrong.get(index, self.continuation[index])

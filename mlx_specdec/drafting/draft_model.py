@@ -9,7 +9,8 @@ which is the q that the rejection rule divides by.
 State: the text the caller committed (`begin`, `commit`, `rollback`), and the tokens the cache
 holds. The cache may hold more than the text (the last proposal's drafts): at the next proposal
 it is cut back to the longest common prefix with the text, so accepted drafts are not computed
-twice. One host sync per proposal, after the whole chain is built lazily.
+twice. One host sync per proposal, after the whole chain is built lazily. Its confidence in a
+draft is its own probability of it (computed only if read).
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from ..cache.prefix import common_prefix
 from ..cache.streaming import StreamingKVCache
 from .tree import dedup_prefix
 from ..model.forward import forward
-from .base import Proposal
+from .base import Proposal, ProposerDefaults
 
 
-class ModelProposer:
+class ModelProposer(ProposerDefaults):
     width = 1
 
     def __init__(self, model, length: int, vocab: int, sink: int = 16, window: int = 240,
@@ -89,11 +90,13 @@ class ModelProposer:
         self.cache.trim(len(self.cached) - keep)
         del self.cached[keep:]
         logits = self._feed(context[keep:], last_logits=True)
-        drafts, probs = [], []
+        drafts, probs, confidence = [], [], []
         for depth in range(self.length - 1):
             draft, q = self._draw(logits)
             drafts.append(draft)
             probs.append(q)
+            own = q if q is not None else mx.softmax(logits.astype(mx.float32), axis=-1)  # (1, V)
+            confidence.append(mx.take_along_axis(own, draft[:, None], axis=-1)[:, 0])  # lazy: not in the sync
             if depth < self.length - 2:  # the last draft is not fed: nothing follows it
                 logits = forward(self.model, draft[None], self.cache, logits_for="last").logits[:, -1, :]
         chain = mx.concatenate([mx.array([context[-1]])] + drafts)  # (L,)
@@ -102,7 +105,8 @@ class ModelProposer:
         self.cached += values[1:-1]
         beams = mx.array(values, dtype=mx.int32).reshape(1, 1, self.length)
         draft_probs = None if self.temperature <= 0 else mx.stack([q[0] for q in probs])[None, None]
-        return Proposal(beams, dedup_prefix(beams), draft_probs)  # probs (1, 1, L-1, V)
+        return Proposal(beams, dedup_prefix(beams), draft_probs,  # probs (1, 1, L-1, V)
+                        mx.concatenate(confidence).reshape(1, 1, self.length - 1))
 
     def commit(self, tokens: Sequence[Sequence[int]]) -> None:
         """Row 0: the tokens that became text (the own token the proposal started from and the

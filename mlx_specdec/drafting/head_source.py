@@ -7,21 +7,21 @@ caller builds the next step's drafts before its one host sync.
 
 Stepwise (greedy, one chain): `propose` builds the first draft only and `extend` drafts deeper
 one depth at a time, each behind a host sync, while the caller's test says a step could still
-verify that deep. Each depth costs a vocabulary projection (the LLM's 8,192 output rows, ~2.5-3.5 ms
-on the 2-core CPU), and most steps verify fewer drafts than the head can make: the cutoff cuts a
-chain at its first doubtful draft, so the drafts after it need not exist. Same drafts, same
+verify that deep. Each depth costs a projection onto the draft vocabulary (most of a draft's
+cost), and most steps verify fewer drafts than the head can make: the cutoff cuts a chain at its
+first doubtful draft, so the drafts after it need not exist. Same drafts, same
 confidences (the same ops as `beam_search`), so the same trees are verified.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
 
 from ..redrafter_head.beam import beam_search, compiled_chain, sample_beams
-from .base import Proposal, read_host
+from .base import Proposal, ProposerDefaults, read_host
 from .tree import dedup_prefix
 
 _SEARCHES: dict = {}
@@ -41,7 +41,9 @@ def compiled_beam_search(head, embed, width: int, length: int):
     return _SEARCHES[key]
 
 
-class HeadProposer:
+class HeadProposer(ProposerDefaults):
+    needs_hidden = True  # drafts from the target's hidden state; no text, nothing to commit
+
     def __init__(self, head, embed, width: int, length: int, vocab: int, temperature: float = 0.0,
                  stepwise: bool = False, runners_up: int = 0, runner_depths: int = 1):
         """vocab: the target's vocabulary size (the width of the draft distributions it checks).
@@ -144,9 +146,3 @@ class HeadProposer:
         """(B, W, L-1, K) draft-vocabulary distribution -> (B, W, L-1, V), zero outside it."""
         full = mx.zeros(draft_probs.shape[:-1] + (self.vocab,), dtype=draft_probs.dtype)
         return full.at[..., self.head.draft_to_full].add(draft_probs)
-
-    def commit(self, tokens: Sequence[Sequence[int]]) -> None:
-        pass
-
-    def rollback(self, lengths: Optional[Sequence[int]] = None) -> None:
-        pass

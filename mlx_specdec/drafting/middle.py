@@ -12,7 +12,12 @@ cache, with a lower proposer (the bottom level) drafting for it in turn.
     use_cache(cache)       a rebuilt small cache (it holds the full cache's whole text)
 
 `propose` wraps `collect` in the drafting interface's shapes (one beam), so any verifier of
-`Proposal`s can stack this level; TriForce's loop calls `collect` (it works in host ints).
+`Proposal`s can stack this level; TriForce's loop calls `collect` (it works in host ints). Its
+confidence is the running acceptance rate of its chains at the level above (`judged`).
+
+`Bottom` puts any drafting source under this level: host-side sources draft after a token on the
+host (a lookup with no match drafts nothing), the others through `propose`; a source that needs
+the target's hidden state drafts nothing before the level's first forward of a round has one.
 
 `ChainVerifier` is one level's verify: the target over one cache, one chain of drafts, greedy
 or exact sampling through the shared acceptance rule. TriForce's top level uses it too.
@@ -26,7 +31,47 @@ import mlx.core as mx
 
 from ..acceptance import greedy_accept, sample_probs, sampling_accept, target_probs
 from ..model.forward import forward
-from .base import Proposal
+from .base import Proposal, Proposer, ProposerDefaults, RunningRate, one_hot_probs
+
+
+class Bottom:
+    """A drafting source as the middle level's drafter, for one sequence in host ints:
+
+        draft(x, hidden) -> (up to γ1 tokens after x, their draft distributions (k, V) or None)
+
+    None when greedy (only the tokens matter); when sampling, each row is the distribution its
+    token was drawn from (q): one-hot for deterministic (host-side) drafts, the source's own
+    distribution otherwise. `commit` and `rollback` keep the source's text equal to what the
+    level above holds; `judged` hands it the level's verdict on its drafts."""
+
+    def __init__(self, source: Proposer, vocab: int, sampling: bool):
+        self.source, self.vocab, self.sampling = source, vocab, sampling
+
+    def begin(self, prompt: Sequence[int]) -> None:
+        self.source.begin([prompt])
+
+    def draft(self, x: int, hidden: Optional[mx.array]) -> Tuple[List[int], Optional[mx.array]]:
+        if self.source.host_side:
+            chain = self.source.draft_after([x])[0]
+            tokens = [] if chain is None else list(chain.tokens)
+            if not tokens or not self.sampling:
+                return tokens, None
+            return tokens, one_hot_probs(mx.array([[[x] + tokens]]), self.vocab)[0, 0]
+        if hidden is None and self.source.needs_hidden:
+            return [], None  # the round's first middle forward has no hidden state yet
+        proposal = self.source.propose(mx.array([x]), hidden)
+        tokens = [int(t) for t in proposal.beams[0, 0, 1:].tolist()]  # host sync (the drafts' values)
+        probs = None if proposal.draft_probs is None else proposal.draft_probs[0, 0]
+        return tokens, probs
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        self.source.commit([list(tokens)])
+
+    def rollback(self, length: int) -> None:
+        self.source.rollback([length])
+
+    def judged(self, verified: int, accepted: int) -> None:
+        self.source.judged([verified], [accepted])
 
 
 class ChainVerifier:
@@ -57,10 +102,9 @@ class ChainVerifier:
         return n, int(next_token.item()), None if probs is None else probs[: n + 1], out.hidden
 
 
-class MiddleLevelProposer:
-    """The target over `cache` drafting `gamma` tokens per round for the target over `full`.
-    `bottom` drafts for this level: draft(x, hidden) -> (tokens, probs | None), commit(tokens),
-    rollback(length) (TriForce's `Bottom`, over any proposer of this package)."""
+class MiddleLevelProposer(RunningRate, ProposerDefaults):
+    """The target over `cache` drafting `gamma` tokens per round for the target over `full`;
+    `bottom` (a `Bottom`) drafts for this level."""
 
     width = 1
 
@@ -79,6 +123,10 @@ class MiddleLevelProposer:
     def use_cache(self, cache) -> None:
         self.level.cache = cache
 
+    def begin(self, prompts: Sequence[Sequence[int]]) -> None:
+        """One row: the prompt (the small cache holds it already) is the bottom's text."""
+        self.bottom.begin(prompts[0])
+
     def collect(self, token: int, hidden: Optional[mx.array]) -> Tuple[List[int], Optional[mx.array]]:
         """γ2 tokens after `token` written by the target over the small cache, with the bottom's
         drafts verified γ1 at a time, and the distribution each was written from."""
@@ -93,6 +141,7 @@ class MiddleLevelProposer:
             self.drafted += len(candidates)
             self.accepted += n
             self.cache.trim(len(candidates) - n)  # fed x and the candidates: keep x and the accepted
+            self.bottom.judged(len(candidates), n)
             self.bottom.commit([x] + candidates[:n])
             drafts += candidates[:n] + [own]
             if probs is not None:
@@ -103,7 +152,8 @@ class MiddleLevelProposer:
     def propose(self, token: mx.array, hidden: Optional[mx.array]) -> Proposal:
         drafts, probs = self.collect(int(token.reshape(-1)[0].item()), hidden)  # host sync: the chain is host-driven
         beams = mx.array([[[int(token.reshape(-1)[0].item())] + drafts]], dtype=mx.int32)  # (1, 1, γ2+1)
-        return Proposal(beams, mx.zeros_like(beams), None if probs is None else probs[None, None])
+        confidence = mx.array(self.rate_confidence(len(drafts)))[None, None]  # (1, 1, γ2)
+        return Proposal(beams, mx.zeros_like(beams), None if probs is None else probs[None, None], confidence)
 
     def commit(self, tokens: Sequence[Sequence[int]]) -> None:
         """tokens[0]: what the top level kept this round (the full cache already holds it)."""

@@ -6,9 +6,11 @@ that also occurs earlier, and propose the L-1 tokens that followed it there; W b
 most recent distinct continuations. Free (no model), and strong where the answer quotes its
 document: a summary, a quote, a code edit, a long chat that repeats itself.
 
-A row with no match proposes its token repeated (a draft the target will mostly reject, at no
-cost but the verify width). Drafts are deterministic: their distribution is one-hot (q = 1), so
-under sampling a drafted token is accepted with the target's own probability of it.
+A lookup has no probability of its own: its confidence is the running acceptance rate of its
+verified drafts (`base.RunningRate`). In `propose`, a row with no match proposes its token
+repeated (a draft the target will mostly reject, at no cost but the verify width, confidence 0);
+`draft_after` offers nothing there. Drafts are deterministic: their distribution is one-hot
+(q = 1), so under sampling a drafted token is accepted with the target's own probability of it.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
+from .base import Chain, Proposal, ProposerDefaults, RunningRate, one_hot_probs
 from .tree import dedup_prefix
-from .base import Proposal, one_hot_probs
 
 
-class NgramProposer:
+class NgramProposer(RunningRate, ProposerDefaults):
+    host_side = True
+
     def __init__(self, width: int, length: int, vocab: int, max_ngram: int = 4, min_ngram: int = 1,
                  sampling: bool = False):
         if width < 1 or length < 2 or not 1 <= min_ngram <= max_ngram:
@@ -72,20 +76,32 @@ class NgramProposer:
                 return found
         return found
 
+    def draft_after(self, tokens: Sequence[int], rows: Optional[np.ndarray] = None) -> List[Optional[Chain]]:
+        """Per asked row, the longest of its continuations after the token (the most recent among
+        equals), at the running acceptance rate; None where the text has no match."""
+        chains: List[Optional[Chain]] = []
+        for b, x in enumerate(tokens):
+            found = self.continuations(b, int(x)) if rows is None or rows[b] else []
+            follow = max(found, key=len) if found else None
+            chains.append(None if follow is None else Chain(follow, self.rate_confidence(len(follow))))
+        return chains
+
     def propose(self, token: mx.array, hidden: Optional[mx.array] = None) -> Proposal:
         """token (B,): the target's own latest token, read on the host (a sync: this proposer
         runs after the step's verify is read). `hidden` is not used."""
         tokens = np.array(token).reshape(-1)  # host sync: the lookup needs the token's value
         B, W, L = len(tokens), self.width, self.length
         beams = np.zeros((B, W, L), dtype=np.int32)
+        confidence = np.zeros((B, W, L - 1), dtype=np.float32)
         for b, x in enumerate(tokens):
             beams[b, :, :] = x
             for w, follow in enumerate(self.continuations(b, int(x))):
                 beams[b, w, 1:1 + len(follow)] = follow
                 beams[b, w, 1 + len(follow):] = follow[-1]  # short at the end: repeat, mostly rejected
+                confidence[b, w, : len(follow)] = self.rate
         beams = mx.array(beams)
         probs = one_hot_probs(beams, self.vocab) if self.sampling else None
-        return Proposal(beams, dedup_prefix(beams), probs)
+        return Proposal(beams, dedup_prefix(beams), probs, mx.array(confidence))
 
     def commit(self, tokens: Sequence[Sequence[int]]) -> None:
         """Per row: the own token the step's proposal started from and the drafts accepted after it."""
