@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from ..errors import UserError
@@ -51,6 +52,9 @@ def cmd_serve(args) -> int:
     print(f"serving {worker.engine.lm.name} ({args.method}) on http://{args.host}:{args.port}/v1 (Ctrl-C stops)",
           file=sys.stderr, flush=True)
     server = _server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"), worker)
+    # uvicorn handles SIGINT and SIGTERM alike (answers end at their next token, connections close),
+    # then raises the signal again under the handler it found: make that Ctrl-C's for both.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn raises the signal it caught again once it has shut down

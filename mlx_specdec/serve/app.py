@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import UserError
-from .requests import ApiError, parse
+from .requests import MAX_BODY_BYTES, ApiError, parse
 from .worker import DONE, GenerationWorker, Job
 
 
@@ -39,8 +39,27 @@ def _speculation(stats) -> dict:
                 accepted=stats.accepted, **extra)
 
 
-def _finish(stats) -> str:
+def _finish(stats, job: Job) -> str:
+    """stop (EOS or a stop string), length (max_tokens or the window), or cancelled (the client left,
+    or the server is stopping)."""
+    if job.cancelled.is_set():
+        return "cancelled"
     return "length" if getattr(stats, "finish_reason", "") == "length" else "stop"
+
+
+async def _next_item(job: Job, request: HttpRequest, waiting: list):
+    """The job's next event; None once the client has gone (the job is then cancelled). A
+    non-streaming client that leaves is noticed within half a second."""
+    while True:
+        if not waiting:
+            waiting.append(asyncio.ensure_future(job.events.get()))
+        done, _ = await asyncio.wait(waiting, timeout=0.5)
+        if done:
+            return waiting.pop().result()
+        if await request.is_disconnected():
+            job.cancelled.set()
+            waiting.pop().cancel()
+            return None
 
 
 def _usage(prompt_tokens: int, stats) -> dict:
@@ -66,10 +85,17 @@ def create_app(worker: GenerationWorker, method: str = "ar", api_key: Optional[s
         if not authorised(request):
             raise ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
                            kind="authentication_error", code="invalid_api_key")
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > MAX_BODY_BYTES:
+                raise ApiError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the body is not valid JSON: {exc}")
+        except RecursionError:
+            raise ApiError(400, "the body is not valid JSON: nested too deeply") from None
         # the base model's tokenizer and window (no MLX here: an APAR adapter loads on the generation thread)
         return parse(body, engine.lm, model_id, methods, method, chat, aliases=[model_spec] if model_spec else [])
 
@@ -85,10 +111,12 @@ def create_app(worker: GenerationWorker, method: str = "ar", api_key: Optional[s
         if req.stream:
             return StreamingResponse(_stream(request, job, req, ident, created, kind, chat, model_id),
                                      media_type="text/event-stream")
-        text, stats = [], None
+        text, stats, waiting = [], None, []
         try:
             while True:
-                item = await job.events.get()
+                item = await _next_item(job, request, waiting)
+                if item is None:  # the client left: nobody reads an answer
+                    return JSONResponse({}, status_code=499)
                 if item is DONE:
                     break
                 if isinstance(item, Exception):
@@ -101,7 +129,7 @@ def create_app(worker: GenerationWorker, method: str = "ar", api_key: Optional[s
             job.cancelled.set()
             raise
         content = "".join(text)
-        choice = {"index": 0, "finish_reason": _finish(stats), "logprobs": None}
+        choice = {"index": 0, "finish_reason": _finish(stats, job), "logprobs": None}
         choice.update({"message": {"role": "assistant", "content": content}} if chat else {"text": content})
         body = {"id": ident, "object": kind, "created": created, "model": model_id, "choices": [choice],
                 "usage": _usage(len(req.prompt_ids), stats)}
@@ -175,7 +203,7 @@ async def _stream(request: HttpRequest, job: Job, req, ident: str, created: int,
             if await request.is_disconnected():
                 job.cancelled.set()
                 return
-        yield chunk(None, _finish(stats), {"speculation": _speculation(stats)} if stats is not None else None)
+        yield chunk(None, _finish(stats, job), {"speculation": _speculation(stats)} if stats is not None else None)
         if req.include_usage:
             usage = {"id": ident, "object": kind + ".chunk" if chat else kind, "created": created, "model": model_id,
                      "choices": [], "usage": _usage(len(req.prompt_ids), stats)}

@@ -19,6 +19,8 @@ from ..decoding import GenerationParams
 from ..settings import SAMPLING, SettingError, all_settings, resolve
 
 DEFAULT_MAX_TOKENS = 256
+MAX_BODY_BYTES = 4 << 20  # a request body past this is a 413, read no further
+MAX_STOP_CHARS = 256
 
 
 class ApiError(Exception):
@@ -63,8 +65,10 @@ def _messages(body: dict) -> List[Dict[str, str]]:
             raise ApiError(400, f"messages[{i}] needs a role of system, user or assistant", f"messages[{i}].role")
         content = message.get("content")
         if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise ApiError(400, f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text", ""), str)
+                       for p in content):
+                raise ApiError(400, f"messages[{i}].content: only text parts (with string text) are supported",
+                               f"messages[{i}].content")
             content = "".join(p.get("text", "") for p in content)
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string", f"messages[{i}].content")
@@ -90,8 +94,10 @@ def parse(body, lm, model_id: str, methods: List[str], default_method: str, chat
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
-    if stop is not None and (not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) for s in stop)):
-        raise ApiError(400, "'stop' must be a string or a list of up to 4 strings", "stop")
+    if stop is not None and (not isinstance(stop, list) or len(stop) > 4
+                             or not all(isinstance(s, str) and len(s) <= MAX_STOP_CHARS for s in stop)):
+        raise ApiError(400, f"'stop' must be a string or a list of up to 4 strings of at most {MAX_STOP_CHARS} "
+                       "characters", "stop")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be a boolean", "stream")
@@ -120,5 +126,10 @@ def parse(body, lm, model_id: str, methods: List[str], default_method: str, chat
     given = {name: value for name, value in sampling.items() if value is not None}
     params = GenerationParams(max_tokens=min(wanted, window - len(ids)), stop=tuple(stop or ()), options=options,
                               **given)
-    include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise ApiError(400, "'stream_options' must be an object", "stream_options")
+    include_usage = (stream_options or {}).get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise ApiError(400, "'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
     return Request(ids, method, params, stream, include_usage)
