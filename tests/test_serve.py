@@ -316,3 +316,35 @@ def test_a_port_in_use_is_one_clear_line(server):
     process = start_server(server["model"], port)
     out, _ = process.communicate(timeout=30)
     assert process.returncode != 0 and f"port {port}" in out and "Traceback" not in out, out
+
+
+def test_the_watchdog_reports_a_request_that_makes_no_progress(capsys):
+    """A generation step that never comes back is reported once, on stderr and in /health."""
+    import asyncio
+    import threading
+
+    from mlx_specdec.decoding import GenerationParams
+    from mlx_specdec.serve.worker import GenerationWorker, Job
+
+    release = threading.Event()
+
+    class Stuck:
+        def generate_ids(self, prompt_ids, method, params):
+            yield from ()
+            release.wait(10)  # a step that does not come back (until the test lets it)
+
+    async def run():
+        worker = GenerationWorker(lambda: Stuck(), stall_s=0.2)
+        worker.wait_ready()
+        job = worker.submit(Job([1, 2, 3], "ar", GenerationParams(), asyncio.get_running_loop()))
+        for _ in range(100):
+            if job.stalled:
+                break
+            await asyncio.sleep(0.05)
+        assert job.stalled and worker.stalled == 1
+        release.set()
+        worker.stop()
+        worker.join(5)
+
+    asyncio.run(run())
+    assert "has made no progress" in capsys.readouterr().err

@@ -156,7 +156,7 @@ def create_app(worker: GenerationWorker, method: str = "ar", api_key: Optional[s
         worker.stop()  # the generation thread ends after the request it is on
 
     async def health(request: HttpRequest):
-        return JSONResponse({"status": "ok", "model": model_id, "waiting": worker.waiting})
+        return JSONResponse({"status": "ok", "model": model_id, "waiting": worker.waiting, "stalled": worker.stalled})
 
     app = Starlette(routes=[Route("/v1/chat/completions", chat_completions, methods=["POST"]),
                             Route("/v1/completions", completions, methods=["POST"]),

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import sys
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Deque, List, Optional
@@ -28,6 +30,7 @@ from ..engine import BATCH_METHODS
 from ..settings import batch_key
 
 DONE = object()  # the end of a job's events
+STALL_S = 60.0  # a running request with no event for this long is reported
 
 
 @dataclass
@@ -38,8 +41,11 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: "asyncio.Queue" = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    progress_at: float = 0.0  # monotonic time of its last event (or of its start)
+    stalled: bool = False  # the watchdog found it making no progress
 
     def put(self, item) -> None:
+        self.progress_at = time.monotonic()
         self.loop.call_soon_threadsafe(self.events.put_nowait, item)
 
     def batch_key(self):
@@ -51,7 +57,7 @@ class Job:
 
 
 class GenerationWorker:
-    def __init__(self, load: Callable[[], object], max_batch: int = 8):
+    def __init__(self, load: Callable[[], object], max_batch: int = 8, stall_s: float = STALL_S):
         """load() -> the engine, called on the generation thread itself: MLX keeps streams per
         thread, and arrays made on one thread's stream (a lazily loaded draft head, a compiled
         draft) then fail on another ("There is no Stream(cpu, 0) in current thread")."""
@@ -65,6 +71,9 @@ class GenerationWorker:
         self._running: List[Job] = []
         self._thread = threading.Thread(target=self._run, name="generation", daemon=True)
         self._thread.start()
+        self.stall_s = stall_s
+        self._watchdog = threading.Thread(target=self._watch, name="watchdog", daemon=True)
+        self._watchdog.start()
 
     def wait_ready(self):
         """The engine, once loaded (raises what the load raised)."""
@@ -76,6 +85,22 @@ class GenerationWorker:
     @property
     def waiting(self) -> int:
         return len(self._jobs)
+
+    @property
+    def stalled(self) -> int:
+        return sum(job.stalled for job in list(self._running))
+
+    def _watch(self) -> None:
+        """Report (once, on stderr and in /health) a running request with no event for stall_s:
+        a generation step that does not come back is visible, not silent."""
+        while True:
+            time.sleep(max(0.05, self.stall_s / 4))
+            now = time.monotonic()
+            for job in list(self._running):
+                if not job.stalled and not job.cancelled.is_set() and now - job.progress_at > self.stall_s:
+                    job.stalled = True
+                    print(f"warning: a {job.method} request ({len(job.prompt_ids)} prompt tokens) has made no "
+                          f"progress for {now - job.progress_at:.0f} s", file=sys.stderr, flush=True)
 
     def submit(self, job: Job) -> Job:
         with self._arrived:
@@ -114,6 +139,8 @@ class GenerationWorker:
                     if job is not None and not job.cancelled.is_set() and job.batch_key() == key:
                         self._jobs.remove(job)
                         batch.append(job)
+            for job in batch:
+                job.progress_at = time.monotonic()
             self._running = batch
             return batch
 
@@ -137,6 +164,8 @@ class GenerationWorker:
                 self._run_one(live[0])
             elif live:
                 self._run_batch(live)
+            with self._arrived:
+                self._running = []
 
     def _run_one(self, job: Job) -> None:
         events = None
