@@ -26,6 +26,8 @@ class UnknownMethod(UserError):
 
 #: methods that decode several prompts together as rows of one batch (declared in the registry)
 BATCH_METHODS = {m.name for m in METHODS.values() if m.batches}
+#: methods whose requests join a running batch at its next step (continuous batching)
+JOIN_METHODS = {m.name for m in METHODS.values() if m.joins}
 
 
 def check_method(method: str) -> None:
@@ -180,6 +182,14 @@ class Engine:
         check_method(method)
         return stream_events(self.lm_for(method), list(prompt_ids), STRATEGIES[method],
                              params or GenerationParams(), method, resources=self._resources_for(method, params))
+
+    def continuous_decoder(self, method: str = "ar"):
+        """A batch that requests join at the next step and leave when they end (decoding/continuous.py)."""
+        from .decoding.continuous import ContinuousDecoder
+
+        if method not in JOIN_METHODS:
+            raise UserError(f"method {method!r} has no continuous batching (it has: {', '.join(sorted(JOIN_METHODS))})")
+        return ContinuousDecoder(self.lm_for(method), self._resources_for(method), method)
 
     def generate_ids_batch(self, prompts_ids: List[List[int]], method: str = "redrafter",
                            params: Optional[GenerationParams] = None,

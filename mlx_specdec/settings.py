@@ -135,7 +135,8 @@ class Method:
     name: str
     help: str
     settings: Tuple[Setting, ...] = ()
-    batches: bool = False  # several requests decode as rows of one batch
+    batches: bool = False  # several requests waiting together decode as rows of one batch
+    joins: bool = False  # requests join a running batch at its next step (continuous batching)
     needs: Tuple[str, ...] = ()  # artifacts: "drafter" (a ReDrafter head), "apar_adapter"
 
     def setting(self, name: str) -> Setting:
@@ -217,7 +218,7 @@ APAR = (
 )
 
 METHODS: Dict[str, Method] = {m.name: m for m in (
-    Method("ar", "plain decoding, one token a forward"),
+    Method("ar", "plain decoding, one token a forward", joins=True),
     Method("mlx-lm", "mlx-lm's own generate loop (the peer baseline)"),
     Method("redrafter", "an RNN draft head and prompt lookup draft trees, verified in one forward",
            REDRAFTER, batches=True, needs=("drafter",)),

@@ -336,7 +336,7 @@ def test_the_watchdog_reports_a_request_that_makes_no_progress(capsys):
     async def run():
         worker = GenerationWorker(lambda: Stuck(), stall_s=0.2)
         worker.wait_ready()
-        job = worker.submit(Job([1, 2, 3], "ar", GenerationParams(), asyncio.get_running_loop()))
+        job = worker.submit(Job([1, 2, 3], "mlx-lm", GenerationParams(), asyncio.get_running_loop()))
         for _ in range(100):
             if job.stalled:
                 break

@@ -1,6 +1,7 @@
 """A request's life on the real server with the real default model: a non-streaming client that
 leaves stops its generation (the next request is answered at once, not after the abandoned one's
-2,000 tokens), and SIGTERM, as systemd, Docker and launchd send it, ends answers in flight at
+2,000 tokens), a request that arrives mid-answer joins the running batch (answered while the long
+one goes on), and SIGTERM, as systemd, Docker and launchd send it, ends answers in flight at
 their next token (`finish_reason: "cancelled"`) and the server exits within seconds with status 0.
 Bounded: every request and the server have timeouts."""
 
@@ -45,6 +46,11 @@ def post(port: int, body: dict, timeout: float) -> dict:
         return json.loads(response.read())
 
 
+def health(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as response:
+        return json.loads(response.read())
+
+
 def raw_request(port: int, body: dict) -> socket.socket:
     data = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
@@ -53,7 +59,7 @@ def raw_request(port: int, body: dict) -> socket.socket:
     return sock
 
 
-def test_a_client_that_leaves_stops_its_answer_and_sigterm_ends_the_server_at_once():
+def test_leaving_joining_and_sigterm_on_the_real_server():
     port = free_port()
     process = start(port)
     try:
@@ -63,15 +69,20 @@ def test_a_client_that_leaves_stops_its_answer_and_sigterm_ends_the_server_at_on
         # a non-streaming client leaves one second into a 2,000-token answer
         sock = raw_request(port, LONG)
         time.sleep(1.0)
+        assert health(port)["running"] == 1
         sock.close()
-        began = time.time()
-        post(port, {**LONG, "max_tokens": 8}, timeout=60)
-        assert time.time() - began < 15, "the abandoned answer was still being generated"
+        time.sleep(1.5)  # noticed within half a second, then it ends at its next token
+        assert health(port)["running"] == 0, "the abandoned answer is still being generated"
         # SIGTERM while a streamed answer is in flight
         sock = raw_request(port, {**LONG, "stream": True})
         seen = b""
         while seen.count(b"data: ") < 5:
             seen += sock.recv(4096)
+        # a request that arrives mid-answer joins the running batch at its next step
+        began = time.time()
+        joined = post(port, {**LONG, "max_tokens": 8}, timeout=60)
+        assert joined["choices"][0]["finish_reason"] == "length" and time.time() - began < 10
+        assert b"[DONE]" not in seen  # the long answer is still being written beside it
         process.send_signal(signal.SIGTERM)
         began = time.time()
         sock.settimeout(15)

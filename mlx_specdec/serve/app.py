@@ -47,19 +47,22 @@ def _finish(stats, job: Job) -> str:
     return "length" if getattr(stats, "finish_reason", "") == "length" else "stop"
 
 
-async def _next_item(job: Job, request: HttpRequest, waiting: list):
+async def _next_item(job: Job, request: HttpRequest, state: dict):
     """The job's next event; None once the client has gone (the job is then cancelled). A
-    non-streaming client that leaves is noticed within half a second."""
+    non-streaming client that leaves is noticed within half a second, events or not."""
     while True:
-        if not waiting:
-            waiting.append(asyncio.ensure_future(job.events.get()))
-        done, _ = await asyncio.wait(waiting, timeout=0.5)
+        if "getter" not in state:
+            state["getter"] = asyncio.ensure_future(job.events.get())
+        done, _ = await asyncio.wait([state["getter"]], timeout=0.5)
+        now = time.monotonic()
+        if not done or now - state.get("checked", now) >= 0.5 or "checked" not in state:
+            state["checked"] = now
+            if await request.is_disconnected():
+                job.cancelled.set()
+                state.pop("getter").cancel()
+                return None
         if done:
-            return waiting.pop().result()
-        if await request.is_disconnected():
-            job.cancelled.set()
-            waiting.pop().cancel()
-            return None
+            return state.pop("getter").result()
 
 
 def _usage(prompt_tokens: int, stats) -> dict:
@@ -111,10 +114,10 @@ def create_app(worker: GenerationWorker, method: str = "ar", api_key: Optional[s
         if req.stream:
             return StreamingResponse(_stream(request, job, req, ident, created, kind, chat, model_id),
                                      media_type="text/event-stream")
-        text, stats, waiting = [], None, []
+        text, stats, state = [], None, {}
         try:
             while True:
-                item = await _next_item(job, request, waiting)
+                item = await _next_item(job, request, state)
                 if item is None:  # the client left: nobody reads an answer
                     return JSONResponse({}, status_code=499)
                 if item is DONE:
@@ -156,7 +159,8 @@ def create_app(worker: GenerationWorker, method: str = "ar", api_key: Optional[s
         worker.stop()  # the generation thread ends after the request it is on
 
     async def health(request: HttpRequest):
-        return JSONResponse({"status": "ok", "model": model_id, "waiting": worker.waiting, "stalled": worker.stalled})
+        return JSONResponse({"status": "ok", "model": model_id, "waiting": worker.waiting, "running": worker.running,
+                             "stalled": worker.stalled})
 
     app = Starlette(routes=[Route("/v1/chat/completions", chat_completions, methods=["POST"]),
                             Route("/v1/completions", completions, methods=["POST"]),

@@ -1,5 +1,5 @@
-"""The server's one generation thread: requests decode first come first served, and where the
-method decodes batches (`redrafter`) the requests waiting together are decoded together.
+"""The server's one generation thread: requests decode first come first served; `ar` requests
+join a running batch at its next step, and `redrafter` requests waiting together decode together.
 
 The HTTP side (an asyncio loop) submits a `Job` and reads its events from an asyncio queue that
 this thread fills through `loop.call_soon_threadsafe`. One long-lived thread owns every MLX call
@@ -12,6 +12,12 @@ Batching: the job at the head of the queue takes with it up to `max_batch - 1` l
 can share its rows (the same method, sampling settings and method options; sampled requests only
 without a seed, since a batch has one random stream). A row keeps its own max_tokens and stop
 strings, and gets its own usage and speculation figures (decoding/batch.py).
+
+Continuous batching (`ar`, decoding/continuous.py): a running batch takes in, before every step,
+the requests waiting at the front of the queue that can join it (up to `max_batch` rows; each
+row its own sampling settings, max_tokens and stop strings; sampled requests only without a
+seed), and a row leaves as soon as it ends. A request that cannot join waits for the batch to
+drain, so nothing is overtaken.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Deque, List, Optional
 
 from ..decoding import Event, GenerationParams
-from ..engine import BATCH_METHODS
+from ..engine import BATCH_METHODS, JOIN_METHODS
 from ..settings import batch_key
 
 DONE = object()  # the end of a job's events
@@ -43,9 +49,11 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     progress_at: float = 0.0  # monotonic time of its last event (or of its start)
     stalled: bool = False  # the watchdog found it making no progress
+    finished: bool = False  # its last event (DONE) was sent
 
     def put(self, item) -> None:
         self.progress_at = time.monotonic()
+        self.finished = self.finished or item is DONE
         self.loop.call_soon_threadsafe(self.events.put_nowait, item)
 
     def batch_key(self):
@@ -87,6 +95,10 @@ class GenerationWorker:
         return len(self._jobs)
 
     @property
+    def running(self) -> int:
+        return sum(not job.finished for job in list(self._running))
+
+    @property
     def stalled(self) -> int:
         return sum(job.stalled for job in list(self._running))
 
@@ -97,7 +109,7 @@ class GenerationWorker:
             time.sleep(max(0.05, self.stall_s / 4))
             now = time.monotonic()
             for job in list(self._running):
-                if not job.stalled and not job.cancelled.is_set() and now - job.progress_at > self.stall_s:
+                if not (job.stalled or job.finished or job.cancelled.is_set()) and now - job.progress_at > self.stall_s:
                     job.stalled = True
                     print(f"warning: a {job.method} request ({len(job.prompt_ids)} prompt tokens) has made no "
                           f"progress for {now - job.progress_at:.0f} s", file=sys.stderr, flush=True)
@@ -160,12 +172,79 @@ class GenerationWorker:
             for job in jobs:
                 if job.cancelled.is_set():  # the client left while it waited
                     job.put(DONE)
-            if len(live) == 1:
+            if len(live) == 1 and self._joins(live[0]):
+                self._run_continuous(live[0])
+            elif len(live) == 1:
                 self._run_one(live[0])
             elif live:
                 self._run_batch(live)
             with self._arrived:
                 self._running = []
+
+    @staticmethod
+    def _joins(job: Job) -> bool:
+        """Can run as a row of a continuous batch: a method that joins, and not a seeded sampled
+        request (a batch has one random stream)."""
+        return job.method in JOIN_METHODS and (job.params.greedy or job.params.seed is None)
+
+    def _joiners(self, room: int) -> List[Job]:
+        """Waiting jobs at the front of the queue that can join the running batch (first come,
+        first served: a job that cannot join stops the taking; the batch then drains for it)."""
+        taken = []
+        with self._arrived:
+            while room > len(taken) and self._jobs and self._jobs[0] is not None and self._joins(self._jobs[0]):
+                job = self._jobs.popleft()
+                job.progress_at = time.monotonic()
+                if job.cancelled.is_set():
+                    job.put(DONE)
+                    continue
+                taken.append(job)
+                self._running.append(job)
+        return taken
+
+    def _run_continuous(self, first: Job) -> None:
+        """Plain decoding as a continuous batch: waiting requests join at every step, each row
+        leaves when it ends; its events go to its job as thread 0's."""
+        rows = {}
+        try:
+            decoder = self.engine.continuous_decoder(first.method)
+        except Exception as error:  # noqa: BLE001  (reported to that request; the server goes on)
+            first.put(error)
+            first.put(DONE)
+            return
+
+        def admit(job: Job) -> None:
+            try:
+                rows[decoder.join(job.prompt_ids, job.params)] = job
+            except Exception as error:  # noqa: BLE001  (that request's error; the batch goes on)
+                job.put(error)
+                job.put(DONE)
+
+        def deliver(events) -> None:
+            for event in events:
+                job = rows.get(event.thread_id)
+                if job is None:
+                    continue
+                job.put(dataclasses.replace(event, thread_id=0))
+                if event.kind == "done":
+                    job.put(DONE)
+                    del rows[event.thread_id]
+
+        admit(first)
+        try:
+            while rows:
+                for job in self._joiners(self.max_batch - len(rows)):
+                    admit(job)
+                for ident, job in list(rows.items()):
+                    if job.cancelled.is_set():
+                        deliver(decoder.cancel(ident))
+                deliver(decoder.step())
+        except Exception as error:  # noqa: BLE001  (reported to every request of the batch)
+            for job in rows.values():
+                job.put(error)
+        finally:
+            for job in rows.values():
+                job.put(DONE)
 
     def _run_one(self, job: Job) -> None:
         events = None
