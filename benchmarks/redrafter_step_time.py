@@ -23,7 +23,7 @@ import mlx_specdec  # noqa: F401  (first: picks the system BLAS before mlx.core 
 from mlx_specdec.bench_prompts import load_prompts
 from mlx_specdec.engine import Engine, GenerationParams
 
-REDRAFTER = importlib.import_module("mlx_specdec.decoding.redrafter")  # the module, not the function
+REDRAFTER = importlib.import_module("mlx_specdec.decoding.redrafter_step")  # the loop's module
 LOOKUP = importlib.import_module("mlx_specdec.drafting.first_offer")
 HEAD = importlib.import_module("mlx_specdec.drafting.head_source")
 PARTS = (  # (module or class, attribute, name): what is timed

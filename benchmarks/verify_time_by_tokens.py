@@ -22,7 +22,7 @@ from mlx_specdec.bench_prompts import load_prompts
 from mlx_specdec.engine import Engine, GenerationParams
 from redrafter_step_time import add_option_argument, parsed_options
 
-REDRAFTER = importlib.import_module("mlx_specdec.decoding.redrafter")  # the module, not the function
+REDRAFTER = importlib.import_module("mlx_specdec.decoding.redrafter_step")  # the loop's module
 
 
 def main() -> None:

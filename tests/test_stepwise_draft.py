@@ -135,7 +135,7 @@ def test_eager_drafts_verify_the_same_trees_in_one_host_sync_a_step(monkeypatch,
     syncs again for each deeper draft and for the head's drafts behind a lookup miss."""
     import importlib
 
-    redrafter = importlib.import_module("mlx_specdec.decoding.redrafter")
+    redrafter = importlib.import_module("mlx_specdec.decoding.redrafter_step")
     head_proposer = importlib.import_module("mlx_specdec.drafting.head_source")
     lookup_proposer = importlib.import_module("mlx_specdec.drafting.first_offer")
 

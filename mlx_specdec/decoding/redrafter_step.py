@@ -1,0 +1,399 @@
+"""ReDrafter's decoding loop in named parts: plan, pack, verify, accept, draft, commit.
+
+`RedrafterLoop` holds a batch's state between steps (the cache and which of its slots each row
+holds, the step's drafts, the running trust in each source) and `step` runs the parts in order;
+redrafter.py describes what each does and reads the method's settings.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, List, NamedTuple, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .. import masks
+from ..acceptance import Accepted, greedy_accept_targets, sampling_accept, target_probs
+from ..drafting import Proposal, Proposer, select_rows
+from ..drafting.base import read_host as _read
+from ..drafting.calibration import DraftTrust
+from ..drafting.first_offer import FirstOffer
+from ..drafting.runners_up import StepRunnersUp
+from ..drafting.tree import PackedTree, pack_beams
+from ..drafting.verify_cost import CostTable, RateMeter, kept_length, worth_verifying
+from ..model.forward import forward
+from .base import DecodeContext, Step, drop_finished_rows, new_contiguous_cache, prefill_rows
+
+PHASES = ("draft_s", "pack_s", "verify_s", "accept_s", "sync_s")
+
+
+@dataclass
+class Settings:
+    width: int  # beams the head drafts per step
+    length: int  # tokens per beam, the target's own first
+    cutoff: float  # verify a draft only where its calibrated confidence clears this
+    use_trust: bool  # calibrate each source's confidence by its running trust per row
+    cost_table: Optional[CostTable]  # this machine's verify costs (None: no cost rule)
+    cost_aware: bool  # the step length follows the verify cost at this context
+    margin: bool  # ... by the answer's rate so far (`RateMeter`), not the step's own ratio
+    eager: bool  # every depth of the head's drafts in one graph, read with the acceptance
+    stepwise: bool  # greedy chains drafted one depth at a time, as deep as a step can verify
+    runners_up: int  # the head's next choices offered beside its chain's drafts
+    runner_depths: int  # ... at this many of its first drafts
+    deepen_reach: float  # draft deeper only while some chain is at least this likely whole
+    compete: bool  # chain drafts and runners-up compete for the verify's tokens
+    beside_host: bool  # the head's first draft offered beside a host-side source's chain
+    prompt_draft: bool  # the first forward verifies drafts made from the prompt
+    profile: bool  # a deliberate sync per phase, to time it
+
+
+class Plan(NamedTuple):
+    step_length: int  # 1 + the drafts each beam verifies (1: a plain step)
+    judged: np.ndarray  # (B, W, L-1) calibrated confidences, before the cut
+    runners: Optional[tuple]  # the runners-up `plan_step` chose with the chain's depth
+    with_runners: bool  # the head's runners-up may join the tree
+
+
+class Tree(NamedTuple):
+    beams: np.ndarray  # (B, W', L') the beams verified (W' > W: runners-up beside the chains)
+    packed: List[PackedTree]  # per row
+    tokens: mx.array  # (B, N) the packed tree, padded to the widest row
+    positions: Optional[mx.array]  # (B, N); None: a contiguous chain (`ar`'s call)
+    mask: Optional[mx.array]
+    index: mx.array  # (B, W'*L') each beam token's packed position
+    drafts: Proposal  # the step's drafts (their q cut to the step length, when sampling)
+    extra: np.ndarray  # (B,) runners-up verified per row
+    runner_depth: np.ndarray  # (R,) the depth of each runner-up beam
+
+
+class Read(NamedTuple):  # the step's host sync: its acceptance, and the next step's drafts
+    best: np.ndarray  # (B,) the beam accepted from
+    accepted: np.ndarray  # (B,) its drafts accepted
+    token: np.ndarray  # (B,) the target's own next token
+    drafts: Proposal  # the next step's
+    beams: np.ndarray
+    owner: np.ndarray
+    confidence: np.ndarray
+    source: np.ndarray  # (B,) the index of the source that drafted each row
+
+
+class RedrafterLoop:
+    def __init__(self, ctx: DecodeContext, s: Settings, head: Proposer, host_sources: Sequence[Proposer],
+                 vocab: int):
+        """head: the fallback source (the ReDrafter head), drafting every row no host-side
+        source offers a chain for; host_sources: asked in order (`FirstOffer`)."""
+        self.ctx, self.s, self.head = ctx, s, head
+        self.model, self.params, self.stats = ctx.lm.model, ctx.params, ctx.stats
+        self.first_offer = FirstOffer(host_sources, vocab) if host_sources else None
+        self.fallback = len(host_sources)  # the head's index in `source`
+        self.meter = RateMeter(s.cost_table) if s.margin else None
+        self.timings, self._t0 = dict.fromkeys(PHASES, 0.0), 0.0  # --profile: seconds per phase
+        self.per_position = np.zeros(s.length - 1, dtype=np.int64)  # row-steps that accepted >= k+1 drafts
+        self.tally = dict.fromkeys(("steps", "before", "after", "lookup_steps", "lookup_accepted", "runners_up",
+                                    "runners_up_accepted", "runners_up_deeper_accepted"), 0)
+
+    # -- the first tokens -----------------------------------------------------------------------
+    def start(self) -> Iterator[Step]:
+        """Prefill, the target's first tokens (yielded before any drafting: like every method's,
+        ReDrafter's TTFT is prefill + the first token's forward), then the first drafts."""
+        ctx, s = self.ctx, self.s
+        prompts = ctx.prompts or [ctx.prompt]
+        self.rows, self.keep = list(range(len(prompts))), None  # live rows' thread ids
+        self.cache = new_contiguous_cache(ctx)
+        # Drafting from the prompt: the last prompt token is the step's own token and the hidden
+        # state before it drafts, so the first forward verifies drafts too.
+        from_prompt = s.prompt_draft and min(len(p) for p in prompts) >= 2
+        texts = [p[:-1] for p in prompts]
+        if from_prompt:
+            self.valid, hidden = prefill_rows(ctx, self.cache, texts, last_hidden=True)  # (B, P), (B, D)
+        else:
+            self.valid, hidden = prefill_rows(ctx, self.cache, texts), None
+        self.lengths = np.array([len(p) - 1 for p in prompts])  # committed tokens per row
+        self.emitted = np.zeros(len(self.rows), dtype=np.int64)
+        own = np.array([p[-1] for p in prompts])  # the target's own latest token per row, on the host
+        token = mx.array(own)
+        if not from_prompt:
+            plain = [[-1]] * len(self.rows)
+            out = forward(self.model, token[:, None], self.cache,
+                          positions=masks.ragged_tree_positions(self.lengths, plain, 1),
+                          mask=masks.ragged_tree_mask(self.valid, plain, 1))
+            self.valid = np.concatenate([self.valid, np.ones((len(self.rows), 1), dtype=bool)], axis=1)
+            self.lengths += 1
+            token, hidden = self.own_token(out.logits[:, -1]), out.hidden[:, -1]
+            own = _read(token)[0]  # host sync: the first tokens alone, yielded before any drafting
+            self.stats.forward_passes += 1
+            for b in self.rows:
+                yield Step([int(own[b])], thread_id=b)
+            self.emitted += 1
+            self.rows, self.keep = drop_finished_rows(self.rows, [[int(t)] for t in own], self.emitted,
+                                                      ctx.lm.eos_token_ids, self.params.max_tokens, ctx.stopped_rows)
+        self.committed = self.cache.offset
+        self.trusts = [DraftTrust(len(prompts)) for _ in range(self.fallback + 1)]  # per source; the head's last
+        self.runners = StepRunnersUp(self.head, self.trusts[-1].calibrated if s.use_trust else (lambda c: c),
+                                     s.cutoff, s.cost_table if s.cost_aware else None, s.compete, s.beside_host)
+        self.source = np.full(len(prompts), self.fallback)  # per prompt, as `keep` indexes them
+        if self.first_offer is not None:
+            self.first_offer.begin(texts if from_prompt else prompts)  # the text before `own`
+        if self.rows:  # the first drafts, from the hidden state that produced the own tokens
+            self.drafts = self.head.propose(token, hidden)
+            if self.first_offer is None:  # host sync: the first drafts
+                self.beams, self.owner, self.confidence = _read(self.drafts.beams, self.drafts.owner,
+                                                                self.drafts.confidence)
+            else:
+                self.drafts, self.beams, self.owner, self.confidence, self.source, _ = self.first_offer.draft(
+                    self.drafts, own)
+            self.deepen()
+
+    # -- one step -------------------------------------------------------------------------------
+    def step(self) -> Iterator[Step]:
+        self.select_rows()
+        self._t0 = time.perf_counter()
+        plan = self.plan()
+        tree = self.pack(plan)
+        self.mark("pack_s")
+        out = forward(self.model, tree.tokens, self.cache, positions=tree.positions, mask=tree.mask)  # verify
+        self.mark("verify_s", out.logits)
+        result, hidden = self.accept(tree, plan.step_length, out)
+        self.mark("accept_s", result, hidden)
+        read = self.draft(tree, plan.step_length, result, hidden)
+        new_tokens = self.commit(tree, plan.step_length, read)
+        self._t0 = time.perf_counter()
+        self.deepen()
+        self.mark("draft_s")
+        for b, thread in enumerate(self.rows):
+            yield Step(new_tokens[b], thread_id=thread, drafted=plan.step_length - 1 + int(tree.extra[b]),
+                       accepted=int(read.accepted[b]))
+        self.rows, self.keep = drop_finished_rows(self.rows, new_tokens, self.emitted, self.ctx.lm.eos_token_ids,
+                                                  self.params.max_tokens, self.ctx.stopped_rows)
+
+    def select_rows(self) -> None:
+        """Rows that finished leave the batch: their cache rows, their state and their drafts."""
+        keep = self.keep
+        if keep is None:
+            return
+        self.cache.select_rows(keep)
+        self.valid, self.lengths, self.beams, self.owner, self.confidence, self.emitted, self.source = (
+            a[keep] for a in (self.valid, self.lengths, self.beams, self.owner, self.confidence, self.emitted,
+                              self.source))
+        self.drafts = select_rows(self.drafts, keep)
+        self.head.select_rows(keep)
+        for trust in self.trusts:
+            trust.select_rows(keep)
+        if self.first_offer is not None:
+            self.first_offer.select_rows(keep)
+
+    def plan(self) -> Plan:
+        """How deep this step verifies: up to the deepest draft (over beams and rows) that every
+        draft before it in its beam clears the cutoff, each source's confidence calibrated by
+        the row's trust in it; a step with none is a plain step. Of that, the depth worth this
+        context's verify cost, or the chain's drafts and the head's runners-up competing for it."""
+        s, head_rows = self.s, self.source == self.fallback
+        judged = self.calibrated(self.confidence)
+        step_length = kept_length(judged, s.cutoff)
+        planned = None
+        with_runners = bool(self.head.runners_up) and step_length > 1 and (s.beside_host or head_rows.any())
+        if with_runners and self.runners.compete:
+            step_length, planned = self.runners.plan(self.beams, judged, step_length, head_rows,
+                                                     int(self.lengths.max()))
+        elif s.cost_aware:
+            step_length = worth_verifying(judged, self.owner, step_length, int(self.lengths.max()),
+                                          rate=self.meter.rate if self.meter is not None else None, table=s.cost_table)
+        return Plan(step_length, judged, planned, with_runners)
+
+    def pack(self, plan: Plan) -> Tree:
+        """The drafts cut to the step length, each row's distinct prefixes packed once (with the
+        runners-up beside its chain), and the positions and mask one forward verifies them with."""
+        step_length, B = plan.step_length, len(self.rows)
+        beams, owner = self.beams[:, :, :step_length], self.owner[:, :, :step_length]
+        drafts = self.drafts if self.drafts.draft_probs is None else \
+            self.drafts._replace(draft_probs=self.drafts.draft_probs[:, :, : step_length - 1])
+        trees = [pack_beams(beams[b], owner[b]) for b in range(B)]
+        self.tally["before"] += beams.size
+        self.tally["after"] += sum(len(t.tokens) for t in trees)
+        extra = np.zeros(B, dtype=np.int64)  # runners-up verified per row
+        runner_depth = np.zeros(0, dtype=np.int64)  # of beam 1.. (the runners-up)
+        if plan.with_runners and step_length > 1:
+            beams, trees, extra, runner_depth = self.runners.add(beams, trees, plan.judged, step_length,
+                                                                 self.source == self.fallback,
+                                                                 int(self.lengths.max()), plan.runners)
+        n = max(len(t.tokens) for t in trees)
+        tokens = np.zeros((B, n), dtype=np.int32)
+        for b, tree in enumerate(trees):
+            tokens[b, : len(tree.tokens)] = tree.tokens
+        parents = [t.parents for t in trees]
+        if self.valid.all() and all(np.array_equal(p, np.arange(-1, n - 1)) for p in parents):
+            # Every row a chain (one beam; a plain step when every draft is cut) and no holes:
+            # contiguous positions and the causal mask, as `ar` (and mlx-lm) run it.
+            positions, mask = None, None
+        else:
+            positions = masks.ragged_tree_positions(self.lengths, parents, n)  # (B, N)
+            if self.valid.all():  # no holes: a tail mask over the tree alone; every query sees the prefix
+                mask = masks.tree_tail_mask(parents, n)  # (B, 1, N, N)
+            else:
+                mask = masks.ragged_tree_mask(self.valid, parents, n)  # (B, 1, N, P + N)
+        index = mx.array(np.stack([t.index for t in trees]).reshape(B, -1))  # (B, W*L)
+        return Tree(beams, trees, mx.array(tokens), positions, mask, index, drafts, extra, runner_depth)
+
+    def accept(self, tree: Tree, step_length: int, out):
+        """The longest run of each row's drafts the target agrees with (greedy), or rejection
+        sampling; and the hidden state after the last accepted token (the head drafts from it)."""
+        beams = mx.array(tree.beams)
+        B, W, L = beams.shape
+        index, logits = tree.index, out.logits  # logits (B, N, V) at the packed tree's tokens
+        if self.params.greedy:  # the argmax once per packed token (a runner-up's beam repeats its chain's prefix)
+            targets = mx.take_along_axis(mx.argmax(logits, axis=-1), index, axis=1)  # (B, W*L)
+            result = greedy_accept_targets(beams, targets.reshape(B, W, L))
+        else:
+            beam_logits = mx.take_along_axis(logits, index[..., None], axis=1).reshape(B, W, L, -1)  # unpacked
+            probs = target_probs(beam_logits, self.params.temperature, self.params.top_p)  # (B, W, L, V)
+            q = tree.drafts.draft_probs  # (B, W, L-1, V)
+            rows = [sampling_accept(beams[b], probs[b], q[b]) for b in range(B)]
+            result = Accepted(*(mx.stack(list(field)) for field in zip(*rows)))
+        flat = result.beam * step_length + result.num_accepted  # (B,) last accepted token, beam-major
+        last = mx.take_along_axis(index, flat[:, None], axis=1)  # (B, 1) its packed position
+        return result, mx.take_along_axis(out.hidden, last[..., None], axis=1)[:, 0]  # (B, D)
+
+    def draft(self, tree: Tree, step_length: int, result: Accepted, hidden: mx.array) -> Read:
+        """The next step's drafts, and the step's host sync. The head's are built lazily from the
+        accepted path's hidden state; with no host-side source they are read with the acceptance
+        in one sync. Host-side sources need the next own token on the host: the acceptance is
+        read first (eager: with the head's drafts), the sources commit the step's text and offer
+        their chains, and the head's drafts are read only where some row needs them."""
+        drafts = self.head.propose(result.next_token, hidden)  # the next step, still lazy
+        self.mark("draft_s", drafts.beams, drafts.owner)
+        if self.first_offer is None:
+            best, accepted, token, beams, owner, confidence = _read(
+                result.beam, result.num_accepted, result.next_token, drafts.beams, drafts.owner, drafts.confidence)
+            source = np.full(len(best), self.fallback)
+        else:
+            head_drafts = (drafts.beams, drafts.owner, drafts.confidence) if self.s.eager else ()
+            best, accepted, token, *_ = _read(result.beam, result.num_accepted, result.next_token, *head_drafts)
+            kept = [tree.beams[b, best[b], : accepted[b] + 1] for b in range(len(self.rows))]
+            self.first_offer.commit(kept, verified=step_length - 1)
+            drafts, beams, owner, confidence, source, _ = self.first_offer.draft(drafts, token)
+        self.mark("sync_s")
+        return Read(best, accepted, token, drafts, beams, owner, confidence, source)
+
+    def commit(self, tree: Tree, step_length: int, read: Read) -> List[List[int]]:
+        """The cache keeps each row's accepted tokens; each source's trust learns from its rows;
+        the next step's drafts take over. -> the tokens each row commits."""
+        s, best, accepted, token = self.s, read.best, read.accepted, read.token
+        # The chains' drafts: where a runner-up (the beams after the W chains) at depth k was
+        # accepted, the chain's first k-1 drafts were and its k-th was not.
+        chains = tree.beams.shape[1] - len(tree.runner_depth)
+        on_runner_up = best >= chains
+        depth_of_best = np.concatenate([np.zeros(chains, dtype=np.int64), tree.runner_depth])[best]
+        self.tally["runners_up_accepted"] += int(on_runner_up.sum())
+        self.tally["runners_up_deeper_accepted"] += int((on_runner_up & (depth_of_best > 1)).sum())
+        chain_best = np.where(on_runner_up, 0, best)
+        chain_accepted = np.where(on_runner_up, np.minimum(accepted, depth_of_best - 1), accepted)
+        # The head's own depths only: a head row padded to a host-side chain's length may accept padding.
+        self.trusts[-1].update(self.beams[..., : s.length], self.confidence[..., : s.length - 1], chain_best,
+                               np.minimum(chain_accepted, s.length - 1), token,
+                               verified=min(step_length, s.length) - 1, rows=self.source == self.fallback)
+        for i, trust in enumerate(self.trusts[:-1]):
+            trust.update(self.beams, self.confidence, chain_best, chain_accepted, token, verified=step_length - 1,
+                         rows=self.source == i)
+        kept = [tree.packed[b].index[best[b], : accepted[b] + 1] for b in range(len(self.rows))]
+        physical = self.committed
+        self.committed = self.cache.keep_appended_rows(physical, kept)
+        new_valid = np.zeros((len(self.rows), self.committed - physical), dtype=bool)
+        for b in range(len(self.rows)):
+            new_valid[b, : accepted[b] + 1] = True
+        self.valid = np.concatenate([self.valid, new_valid], axis=1)
+        self.lengths = self.lengths + accepted + 1
+        if self.meter is not None:
+            self.meter.add(float(accepted.mean()) + 1, int(tree.tokens.shape[1]), int(self.lengths.max()))
+        self.stats.forward_passes += 1
+        from_host = self.source != self.fallback
+        self.tally["lookup_steps"] += int(from_host.sum())
+        self.tally["lookup_accepted"] += int(accepted[from_host].sum())
+        new_tokens = []
+        for b in range(len(self.rows)):
+            self.tally["steps"] += 1
+            if not from_host[b]:  # the head's acceptance by draft position
+                self.per_position[: accepted[b]] += 1
+            new_tokens.append([int(t) for t in tree.beams[b, best[b], 1: accepted[b] + 1]] + [int(token[b])])
+        self.emitted += accepted + 1
+        self.tally["runners_up"] = self.runners.verified
+        self.report()
+        self.drafts, self.beams, self.owner, self.confidence, self.source = (
+            read.drafts, read.beams, read.owner, read.confidence, read.source)
+        return new_tokens
+
+    def deepen(self) -> None:
+        """Stepwise chains: the head's rows drafted as deep as the next step can verify, the
+        deepest `kept_length` of any row with the rows' current trust (a row is verified as deep
+        as the batch's deepest kept row, so its drafts are made that deep too)."""
+        s, head_rows = self.s, self.source == self.fallback
+        if not self.head.stepwise or not head_rows.any():
+            return
+        host_judged = self.calibrated(self.confidence)[~head_rows]
+        host_kept = kept_length(host_judged, s.cutoff) - 1 if len(host_judged) else 0
+        head_trust = self.trusts[-1]
+
+        def wanted(so_far: np.ndarray) -> bool:  # (B, 1, k): the head's drafts so far
+            judged = head_trust.calibrated(so_far) if s.use_trust else so_far
+            likely = np.all(judged >= s.cutoff, axis=-1)[:, 0] & (np.prod(judged, axis=-1)[:, 0] >= s.deepen_reach)
+            return so_far.shape[-1] < host_kept or bool((likely & head_rows).any())
+
+        deeper, confidence = self.head.extend(self.beams, self.confidence, head_rows, wanted)
+        if deeper is self.beams:
+            return
+        self.owner = np.zeros_like(deeper)  # one chain per row: every prefix its own (dedup_prefix's answer)
+        self.beams, self.confidence = deeper, confidence
+        self.drafts = Proposal(mx.array(deeper), mx.array(self.owner), None, mx.array(confidence))
+
+    def close(self) -> None:
+        """Stopped mid-step: drop the unverified tree."""
+        if self.cache.offset > self.committed:
+            self.cache.rollback_to(self.committed)
+
+    def calibrated(self, confidence: np.ndarray) -> np.ndarray:
+        """confidence (B, W, L-1) -> each row's, times the row's trust in the source that drafted it."""
+        if not self.s.use_trust:
+            return confidence
+        if not self.fallback:
+            return self.trusts[0].calibrated(confidence)
+        by_source = np.stack([trust.calibrated(confidence) for trust in self.trusts])  # (S, B, W, L-1)
+        return np.take_along_axis(by_source, self.source[None, :, None, None], axis=0)[0]
+
+    def own_token(self, logits: mx.array) -> mx.array:  # (B, V) -> (B,) the target's own choice
+        if self.params.greedy:
+            return mx.argmax(logits, axis=-1)
+        return self.ctx.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))  # as `ar` draws
+
+    def mark(self, name: str, *arrays) -> None:
+        """Profile mode only: a deliberate extra sync per phase, to attribute time to it."""
+        if not self.s.profile:
+            return
+        mx.eval(*arrays)
+        now = time.perf_counter()
+        self.timings[name] += now - self._t0
+        self._t0 = now
+
+    def report(self) -> None:
+        steps, tally = self.tally["steps"], self.tally
+        self.stats.extra.update(
+            beam_width=self.s.width,
+            beam_length=self.s.length,
+            steps=steps,
+            acceptance_per_position=[round(float(c) / max(1, steps - tally["lookup_steps"]), 3)
+                                     for c in self.per_position],
+            tree_tokens_before_dedup=tally["before"],
+            tree_tokens_after_dedup=tally["after"],
+            compression=round(1 - tally["after"] / tally["before"], 3) if tally["before"] else 0.0,
+            draft_trust=[round(float(t), 3) for t in self.trusts[-1].trust],
+            judged_drafts=self.trusts[-1].events,
+            judged_for_free=self.trusts[-1].free_events,
+            lookup_steps=round(tally["lookup_steps"] / steps, 3) if steps else 0.0,
+            lookup_accepted_per_step=round(tally["lookup_accepted"] / tally["lookup_steps"], 3)
+            if tally["lookup_steps"] else 0.0,
+            runners_up_verified=tally["runners_up"],
+            runners_up_accepted=tally["runners_up_accepted"],
+            runners_up_deeper_accepted=tally["runners_up_deeper_accepted"],
+        )
+        if self.s.profile:
+            self.stats.extra.update({k: round(v, 4) for k, v in self.timings.items()})
