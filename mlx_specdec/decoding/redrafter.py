@@ -18,7 +18,7 @@ token x, and with the hidden state h that produced x (per batch row; `redrafter_
     commit  the cache keeps the n+1 accepted tokens (only the offset moves when they already
             lie first, as a chain's always do), drops the rest; each source's trust learns
 
-The sources are named in `sources` (default "lookup,head": the registry is drafting/sources.py);
+The sources are named in `sources` (default "lookup,head"; the registry is drafting/sources.py):
 the head comes last and drafts every row the others leave.
 
 Host syncs: with no host-side source, one a step, reading the acceptance and the next drafts
@@ -37,8 +37,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from ..drafting.lookup import PromptLookup
-from ..drafting.head_source import HeadProposer
+from ..drafting.sources import SOURCES, SourceSettings, source_names
 from ..errors import UserError
 from .base import DecodeContext, Step
 from .redrafter_step import RedrafterLoop, Settings
@@ -49,6 +48,7 @@ DEFAULT_BEAM_LENGTH = 6  # tokens per beam (L): the target's own token and up to
 DEFAULT_DRAFT_CUTOFF = 0.1  # verify a draft only where its calibrated confidence is at least this
 DEFAULT_DRAFT_TRUST = True  # calibrate each source's confidence by what it has earned in this answer
 DEFAULT_LOOKUP = 4  # tokens a host-side source (prompt lookup) drafts per step; 0: the head alone
+DEFAULT_SOURCES = "lookup,head"  # drafting sources, asked in this order per row; the head, last, drafts the rest
 DEFAULT_EAGER_DRAFTS = False  # draft every depth in one graph, instead of only as deep as a step verifies
 DEFAULT_RUNNERS_UP = 2  # the head's next choices per chain draft, verified beside it where they pay
 DEFAULT_RUNNERS_UP_DEPTHS = 2  # ... beside the chain's first this many drafts
@@ -67,13 +67,17 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     if ctx.resources.get("drafter") is None:
         raise NoDrafter(f"redrafter needs a draft head for {ctx.lm.name}: pass --drafter DIR "
                         "(train one with `mlx-specdec train-drafter`)")
-    s, lookup = settings(ctx)
+    s, names, lookup = settings(ctx)
     vocab = int(ctx.lm.model.args.vocab_size)
-    head = HeadProposer(ctx.resources["drafter"], ctx.lm.model.model.embed_tokens, s.width, s.length, vocab,
-                        temperature=0.0 if ctx.params.greedy else ctx.params.temperature, stepwise=s.stepwise,
-                        runners_up=s.runners_up, runner_depths=s.runner_depths)
-    host_sources = [PromptLookup(lookup, vocab)] if lookup > 0 else []
-    loop = RedrafterLoop(ctx, s, head, host_sources, vocab)
+    built = SourceSettings(vocab=vocab, drafts=lookup, head=ctx.resources["drafter"],
+                           embed=ctx.lm.model.model.embed_tokens, width=s.width, length=s.length,
+                           temperature=0.0 if ctx.params.greedy else ctx.params.temperature, stepwise=s.stepwise,
+                           runners_up=s.runners_up, runner_depths=s.runner_depths)
+    sources = {name: SOURCES[name].build(built) for name in names}
+    for name in names[:-1]:
+        if not sources[name].host_side:
+            raise UserError(f"redrafter: {name!r} drafts on the device; only the head, last, may")
+    loop = RedrafterLoop(ctx, s, sources, vocab)
     yield from loop.start()
     try:
         while loop.rows:
@@ -83,7 +87,8 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
 
 
 def settings(ctx: DecodeContext):
-    """The method's settings from ctx.params.options, checked -> (Settings, lookup drafts)."""
+    """The method's settings from ctx.params.options, checked -> (Settings, the sources' names in
+    the order asked, the tokens a host-side source drafts)."""
     options = ctx.params.options
     width = int(options.get("beam_width", DEFAULT_BEAM_WIDTH))
     length = int(options.get("beam_length", DEFAULT_BEAM_LENGTH))
@@ -93,6 +98,12 @@ def settings(ctx: DecodeContext):
         raise UserError("redrafter needs --beam-width >= 1 and --beam-length >= 2")
     if not 0.0 <= cutoff <= 1.0:
         raise UserError("redrafter needs --draft-cutoff between 0 and 1")
+    try:
+        names = source_names(options.get("sources", DEFAULT_SOURCES))
+    except ValueError as error:
+        raise UserError(f"redrafter: {error}") from None
+    if lookup <= 0:
+        names = names[-1:]  # no host-side drafts: the head alone
     # This machine's verify-cost table (`mlx-specdec calibrate`), the shipped one on a CPU, or none.
     # A cutoff of 0 asks for every draft: no cost judges them either.
     cost_table = ctx.resources.get("verify_costs")
@@ -112,7 +123,7 @@ def settings(ctx: DecodeContext):
         runner_depths=int(options.get("runners_up_depths", DEFAULT_RUNNERS_UP_DEPTHS)),
         deepen_reach=float(options.get("deepen_reach", DEFAULT_DEEPEN_REACH)),
         compete=bool(options.get("runners_compete", DEFAULT_RUNNERS_COMPETE)) and not margin,
-        beside_host=bool(options.get("head_beside_lookup", DEFAULT_HEAD_BESIDE_LOOKUP)) and lookup > 0,
+        beside_host=bool(options.get("head_beside_lookup", DEFAULT_HEAD_BESIDE_LOOKUP)) and len(names) > 1,
         prompt_draft=bool(options.get("prompt_draft", DEFAULT_PROMPT_DRAFT)),
         profile=bool(options.get("profile", False)))
-    return s, lookup
+    return s, names, lookup

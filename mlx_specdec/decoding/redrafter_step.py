@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator, List, NamedTuple, Optional, Sequence
+from typing import Dict, Iterator, List, NamedTuple, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -80,21 +80,21 @@ class Read(NamedTuple):  # the step's host sync: its acceptance, and the next st
 
 
 class RedrafterLoop:
-    def __init__(self, ctx: DecodeContext, s: Settings, head: Proposer, host_sources: Sequence[Proposer],
-                 vocab: int):
-        """head: the fallback source (the ReDrafter head), drafting every row no host-side
-        source offers a chain for; host_sources: asked in order (`FirstOffer`)."""
-        self.ctx, self.s, self.head = ctx, s, head
+    def __init__(self, ctx: DecodeContext, s: Settings, sources: Dict[str, Proposer], vocab: int):
+        """sources: by name, in the order asked: host-side ones (`FirstOffer`), then the head,
+        which drafts every row they leave."""
+        self.ctx, self.s, self.names = ctx, s, list(sources)
+        *host_sources, self.head = sources.values()
         self.model, self.params, self.stats = ctx.lm.model, ctx.params, ctx.stats
         self.first_offer = FirstOffer(host_sources, vocab) if host_sources else None
         self.fallback = len(host_sources)  # the head's index in `source`
+        self.source_steps = np.zeros(len(sources), dtype=np.int64)  # row-steps each source drafted
         self.meter = RateMeter(s.cost_table) if s.margin else None
         self.timings, self._t0 = dict.fromkeys(PHASES, 0.0), 0.0  # --profile: seconds per phase
         self.per_position = np.zeros(s.length - 1, dtype=np.int64)  # row-steps that accepted >= k+1 drafts
         self.tally = dict.fromkeys(("steps", "before", "after", "lookup_steps", "lookup_accepted", "runners_up",
                                     "runners_up_accepted", "runners_up_deeper_accepted"), 0)
 
-    # -- the first tokens -----------------------------------------------------------------------
     def start(self) -> Iterator[Step]:
         """Prefill, the target's first tokens (yielded before any drafting: like every method's,
         ReDrafter's TTFT is prefill + the first token's forward), then the first drafts."""
@@ -146,7 +146,6 @@ class RedrafterLoop:
                     self.drafts, own)
             self.deepen()
 
-    # -- one step -------------------------------------------------------------------------------
     def step(self) -> Iterator[Step]:
         self.select_rows()
         self._t0 = time.perf_counter()
@@ -308,6 +307,7 @@ class RedrafterLoop:
             self.meter.add(float(accepted.mean()) + 1, int(tree.tokens.shape[1]), int(self.lengths.max()))
         self.stats.forward_passes += 1
         from_host = self.source != self.fallback
+        np.add.at(self.source_steps, self.source, 1)
         self.tally["lookup_steps"] += int(from_host.sum())
         self.tally["lookup_accepted"] += int(accepted[from_host].sum())
         new_tokens = []
@@ -394,6 +394,7 @@ class RedrafterLoop:
             runners_up_verified=tally["runners_up"],
             runners_up_accepted=tally["runners_up_accepted"],
             runners_up_deeper_accepted=tally["runners_up_deeper_accepted"],
+            source_steps=dict(zip(self.names, self.source_steps.tolist())),
         )
         if self.s.profile:
             self.stats.extra.update({k: round(v, 4) for k, v in self.timings.items()})
