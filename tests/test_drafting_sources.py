@@ -5,6 +5,7 @@ sources is plain decoding's."""
 import mlx.core as mx
 import pytest
 
+from mlx_specdec.decoding import GenerationParams
 from mlx_specdec.drafting.sources import FALLBACK, SOURCES, SourceSettings, source_names
 from mlx_specdec.errors import UserError
 
@@ -52,3 +53,37 @@ def test_the_default_sources_are_lookup_then_the_head_and_lookup_0_leaves_the_he
     assert default == listed and head_only == no_lookup
     assert default[0] == head_only[0]  # the same answer: plain decoding's
     assert default[2]["lookup"] > 0 and head_only[2] == {"head": head_only[2]["head"]}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_redrafter_with_the_recent_source_equals_plain_decoding(seed):
+    """`recent` (a 1-gram lookup) behind `lookup`: it drafts rows the 2-4-gram lookup leaves, and
+    the answer is still plain decoding's, one prompt at a time and as a batch."""
+    lm = make_tiny_lm(seed=seed, eos_id=96)
+    engine = engine_with(lm, random_head(lm, seed=seed))
+    prompts = PROMPTS + [REPEATING]
+    options = {"sources": "lookup,recent,head", "draft_cutoff": 0.1}
+    drafted = 0
+    for prompt in prompts:
+        want, _ = run(engine, prompt, "ar", max_tokens=40)
+        got, stats = run(engine, prompt, "redrafter", max_tokens=40, options=options)
+        assert got == want
+        drafted += stats.extra["source_steps"]["recent"]
+    assert drafted > 0  # it really drafted
+    batch = {}
+    for e in engine.generate_ids_batch(prompts, "redrafter", GenerationParams(max_tokens=24, options=options)):
+        if e.kind == "token":
+            batch.setdefault(e.thread_id, []).extend(e.tokens)
+    assert [batch.get(b, []) for b in range(len(prompts))] == [run(engine, p, "ar", max_tokens=24)[0] for p in prompts]
+
+
+def test_the_recent_source_drafts_what_followed_the_own_token_last_time():
+    from mlx_specdec.drafting.recent import RecentToken
+
+    source = RecentToken(drafts=3, vocab=97)
+    source.begin([[4, 9, 1, 2, 9, 7, 8, 5]])
+    chain, = source.draft_after([9])  # 9 was last followed by 7 8 5
+    assert chain.tokens == [7, 8, 5] and chain.confidence.tolist() == [0.5] * 3
+    assert source.draft_after([3]) == [None]  # never seen
+    source.judged([3], [0])  # its first draft was rejected: trusted less
+    assert source.draft_after([9])[0].confidence[0] < 0.5

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Sequence, Union
 from .base import Proposer
 from .head_source import HeadProposer
 from .lookup import PromptLookup
+from .recent import RecentToken
 
 FALLBACK = "head"  # the source that drafts every row the others leave: always last
 
@@ -50,6 +51,8 @@ def _head(s: SourceSettings) -> Proposer:
 SOURCES: Dict[str, Source] = {
     "lookup": Source(lambda s: PromptLookup(s.drafts, s.vocab),
                      "prompt lookup: what followed the latest earlier occurrence of the text's last 2-4 tokens"),
+    "recent": Source(lambda s: RecentToken(s.drafts, s.vocab),
+                     "what followed the newest earlier occurrence of the own token alone (a 1-gram lookup)"),
     FALLBACK: Source(_head, "the ReDrafter head on the target's hidden state (last: it drafts the rows left)"),
 }
 
