@@ -177,6 +177,18 @@ class Engine:
     def methods(self) -> List[str]:
         return list(STRATEGIES)
 
+    def method_support(self) -> Dict[str, Optional[str]]:
+        """Per method: None where this model can run it, else why not (one line). Loads the
+        artifacts a method needs (the head, the APAR adapter): call it on the thread that decodes."""
+        support: Dict[str, Optional[str]] = dict.fromkeys(STRATEGIES)
+        if self.drafter is None:
+            support["redrafter"] = (f"no ReDrafter head for {self.lm.name}: pass --drafter DIR or train one "
+                                    "with `mlx-specdec train-drafter`")
+        if self.apar_lm is None:
+            support["apar"] = (f"{self.lm.name} has no [Fork]/[Child] control tokens and no APAR adapter "
+                               "(`mlx-specdec train-apar` makes one)")
+        return support
+
     def generate_ids(self, prompt_ids: List[int], method: str = "ar",
                      params: Optional[GenerationParams] = None) -> Iterator[Event]:
         check_method(method)

@@ -85,6 +85,9 @@ def test_chat_answers_equal_generate_streaming_and_not(server):
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
     assert chunks[-1].usage.completion_tokens == 12
     assert [m.id for m in c.models.list().data] == ["tiny"]
+    methods = c.models.list().data[0].model_extra["methods"]
+    assert methods["redrafter"] == {"supported": True} and methods["ar"] == {"supported": True}
+    assert not methods["apar"]["supported"] and "control tokens" in methods["apar"]["why_not"]
 
 
 @pytest.mark.parametrize("method,options", [("mlx-lm", {}), ("triforce", {"budget": 16, "gamma": 3})])

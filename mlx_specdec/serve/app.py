@@ -2,7 +2,7 @@
 
     POST /v1/chat/completions   chat (streaming as server-sent events, or one JSON response)
     POST /v1/completions        raw text completion
-    GET  /v1/models             the one served model
+    GET  /v1/models             the one served model, with the methods it supports (and why not)
     GET  /health                {"status": "ok", "waiting": queued requests}
 
 Every method of the engine, losslessly, picked per request (`method`, extension field). `usage`
@@ -150,8 +150,10 @@ def create_app(worker: GenerationWorker, method: str = "ar", api_key: Optional[s
         if not authorised(request):
             return error(ApiError(401, "a valid API key is required", kind="authentication_error",
                                   code="invalid_api_key"))
+        methods_info = {name: {"supported": why is None, **({"why_not": why} if why else {})}
+                        for name, why in worker.support.items()}
         return JSONResponse({"object": "list", "data": [{"id": model_id, "object": "model", "created": 0,
-                                                         "owned_by": "mlx-specdec"}]})
+                                                         "owned_by": "mlx-specdec", "methods": methods_info}]})
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

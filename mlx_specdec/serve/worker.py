@@ -70,6 +70,7 @@ class GenerationWorker:
         thread, and arrays made on one thread's stream (a lazily loaded draft head, a compiled
         draft) then fail on another ("There is no Stream(cpu, 0) in current thread")."""
         self.engine = None
+        self.support: dict = {}  # method -> None (runs) or why not, found on the generation thread
         self.error: Optional[BaseException] = None
         self.ready = threading.Event()
         self._load = load
@@ -159,6 +160,8 @@ class GenerationWorker:
     def _run(self) -> None:
         try:
             self.engine = self._load()
+            support = getattr(self.engine, "method_support", None)
+            self.support = support() if support is not None else {}
         except BaseException as error:  # noqa: BLE001  (raised again by wait_ready, on the caller's thread)
             self.error = error
             return
