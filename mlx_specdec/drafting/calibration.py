@@ -1,14 +1,14 @@
 """How far to trust a proposer's confidence, learnt while decoding (per batch row).
 
 A draft cutoff ("verify a draft only where the proposer gives it >= c") assumes the proposer's
-probabilities are honest. They are not everywhere: the shipped ReDrafter head, distilled on short
-chats, is as sure of itself over a 6K-token document as over a chat but right a fifth as often
-(benchmarks/results/issue18_v3_6k.md: 73 drafts verified, 6 accepted), and each of those verifies
-costs a long-context step more than a plain one. So each row keeps a running ratio
+probabilities are honest. They are not everywhere: a ReDrafter head distilled on short chats is
+as sure of itself over a long document as over a chat but right far less often there, and each
+of those verifies costs a long-context step more than a plain one. So each row keeps a running
+ratio
 
     trust = (accepted + PRIOR) / (confidence of the drafts it judged + PRIOR)    (decayed sums)
 
-and the cutoff applies to min(1, trust * confidence). Trust starts at 1 (the cutoff as measured)
+and the cutoff applies to min(1, trust * confidence). Trust starts at 1 (the cutoff as chosen)
 and moves with evidence; every judged draft is one event at the depth it was reached:
 
     depth k <= n            accepted                     (n: drafts the step accepted)

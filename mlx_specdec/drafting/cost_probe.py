@@ -1,10 +1,9 @@
 """The verify-cost table of the machine the engine runs on (`mlx-specdec calibrate`).
 
 ReDrafter's step length (drafting/verify_cost.py) weighs a draft's odds against what one more
-query token costs in a forward. That cost is the machine's, not the method's: on one 2-core x86
-VM a 5-token forward after 150 tokens cost 1.60 one-token forwards, on another 1.21
-(benchmarks/results/issue18_calibrate.md), and on an Apple GPU a few tokens cost about one.
-So the table is measured where it is used, once per machine and model, and kept in the user cache:
+query token costs in a forward. That cost is the machine's, not the method's: it differs between
+two CPUs of the same kind, and on a GPU a few more tokens cost about nothing. So the table is
+measured where it is used, once per machine and model, and kept in the user cache:
 
     for each context C (default 150, 2000, 6000; at most the model's context length - 64):
         prefill C tokens, then R rounds of: one forward of T = 1..T_max query tokens in one row
@@ -13,14 +12,12 @@ So the table is measured where it is used, once per machine and model, and kept 
     cost[C, T]  = 1 + a (T - 1) + b (T - 1)^2, a, b >= 0: the least-squares fit of median_r ratio[r, T]
 
 Each round visits the T values in its own rotated order and each ratio pairs forwards timed
-moments apart, so a slow spell of the machine (on a shared 2-core VM a one-token forward varies
-27-44 ms from one minute to the next) touches a ratio's two sides alike. The fit then removes the
-noise that is left. Why this curve: an extra query token adds its rows' FMAs and attention, so the
-cost rises steadily with T (on the CPU from a few rows on, once the products stop being bound by the
-weights' stream: convex), and ReDrafter's planner weighs each token by what it adds to the cost
-(drafting/runners_up.plan_step). The non-decreasing fit used before (pool adjacent violators) kept
-the noise's flat runs: after 150 tokens T = 5 and 6 both at 1.10, so a sixth token looked free
-where it cost ~1.2 ms of ~25, and the planner filled it with unlikely runners-up. Each context's
+moments apart, so a slow spell of a shared machine touches a ratio's two sides alike. The fit then
+removes the noise that is left. Why this curve: an extra query token adds its rows' FMAs and
+attention, so the cost rises steadily with T (on the CPU from a few rows on, once the products
+stop being bound by the weights' stream: convex), and ReDrafter's planner weighs each token by
+what it adds to the cost (drafting/runners_up.plan_step): a fit that kept the noise's flat runs
+would make some extra token look free and fill it with unlikely runners-up. Each context's
 medians are stored beside the fit (`ratios`). The stored file names the machine and the weight
 layout (model/cpu_layout.py) it was measured with; on another machine, or over weights laid out
 otherwise, it is ignored.

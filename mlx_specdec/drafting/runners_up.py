@@ -8,15 +8,14 @@ token with the head's probability for it. So it adds
     gain(r) = reach(k-1) * p(r)      reach(j) = prod_{i<=j} p(d_i)   (calibrated; reach(0) = 1)
 
 expected tokens to the step for one more query token. Depth 1's runners-up need no reach; deeper
-ones pay where the chain is sure of its first drafts and unsure of the next (teacher forced on the
-bench answers with head v9: a runner-up rescues a step at depth 1 12.4 % of the time, at depth 2
-5.9 %, at depth 3 3.0 %: benchmarks/results/issue18_stop42.md).
+ones pay where the chain is sure of its first drafts and unsure of the next (a runner-up rescues
+a step less often the deeper it is).
 
 Beside a lookup's chain (`--head-beside-lookup`, greedy), the head's own first draft and its
 depth-1 runners-up are offered the same way where they differ from the lookup's first draft:
 siblings of it under the root, whose gain is their calibrated confidence times HEAD_BESIDE_LOOKUP
 (the head is less often right where a lookup disagrees with it). A step whose rows all drafted
-from lookup then makes the head's first draft as well (0.54 ms on the 2-core CPU), which it
+from lookup then makes the head's first draft as well (one depth of the head), which it
 otherwise skips.
 
 Columns are offered likeliest gain first; with a verify-cost table the step takes as many as raise
@@ -37,11 +36,8 @@ from .tree import with_runners_up
 from .verify_cost import CostTable, costs_at, most_tokens_per_cost, runners_up_worth
 
 # P(the head's first draft is the target's token | the lookup drafted a different first token), over
-# the head's calibrated confidence in it. Decoding 32 prompts never trained on and outside every
-# bench set (every 6th of the last 214 of data/train_prompts_extra.jsonl, 96 tokens): at 81 of 203
-# lookup steps the two first drafts differed; the head's was right at 36, its confidences summed
-# to 42.4 (`python benchmarks/head_beside_lookup.py`, results/issue18_stop44.md). (The 8 unseen
-# chats, a bench set, gave 10 of 20.2: 0.5.)
+# the head's calibrated confidence in it: counted on prompts outside every training and bench set
+# (`python benchmarks/head_beside_lookup.py`).
 HEAD_BESIDE_LOOKUP = 0.85
 
 

@@ -1,18 +1,16 @@
 """How many drafts a step should verify: the drafts' odds against what verifying them costs here.
 
-The draft cutoff ("verify a draft only where it is at least c likely") was chosen by a sweep at
-chat length, where one more verified token costs ~0.15 of a plain step on the 2-core CPU. Over a
-long document it costs about twice that (benchmarks/results/issue18_verify_cost.md: after 6,000
-tokens a 2-token verify costs 1.34 plain steps and a 5-token one 2.08, against 1.18 and 1.60 after
-150; attention's exps over the KV grow with the query rows on 2 cores), so drafts the cutoff keeps
-can cost more than they bring.
+The draft cutoff ("verify a draft only where it is at least c likely") is one number for every
+context, but what one more verified token costs is not: over a long document attention's work
+grows with the query rows, and a verified token costs several times what it does at chat length,
+so drafts the cutoff keeps can cost more than they bring.
 
 So after the cutoff, each step verifies the depth k (0 = a plain step) that maximises
 
     expected tokens / cost = sum_b (1 + sum_{j<=k} max_w prod_{i<=j} p[b,w,i]) / cost(T(k), context)
 
-    p[b,w,i]  the calibrated probability of draft i of beam w (the head's probability times its
-              trust, or a lookup's measured per-depth acceptance times the lookup's trust)
+    p[b,w,i]  the calibrated probability of draft i of beam w (the source's confidence times the
+              row's trust in that source)
     T(k)      query tokens the packed tree holds up to depth k (the widest row's)
     cost      a T-token forward after `context` tokens as a multiple of a one-token one
 
@@ -23,10 +21,9 @@ Speed only: the depth is chosen from confidences that do not depend on the drawn
 cutoff is), so greedy output stays the target's and sampling stays exact.
 
 The table is the machine's own when `mlx-specdec calibrate` has measured it there for this model
-(drafting/cost_probe.py; machines differ: a 2-core VM where a 5-token verify cost 1.60 plain steps,
-another where it cost 1.21, and one VM from one half hour to the next 1.10-1.28). Without one, the CPU
-uses the shipped table below; a GPU (Metal or
-CUDA), where a few more query tokens cost little, verifies every draft the cutoff keeps.
+(drafting/cost_probe.py: machines differ, even of one kind). Without one, the CPU uses the
+shipped table below; a GPU (Metal or CUDA), where a few more query tokens cost little, verifies
+every draft the cutoff keeps.
 """
 
 from __future__ import annotations
@@ -35,12 +32,9 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-# `mlx-specdec calibrate` three times within 35 minutes on 2026-11-27 on the 2-core AMD EPYC VM (the
-# default model in float32, row-major weights, the small-row GEMM; benchmarks/results/issue18_stop43.md):
-# the elementwise median of the three runs' medians, fitted as `cost_probe.convex_fit` does. One row of T
-# query tokens after `context` tokens, as a multiple of one token. The first table shipped here came from
-# another VM before the small-row GEMM (a 5-token verify after 150 tokens at 1.60, here 1.11): a CPU
-# without its own table verified too little (8 unseen chats: 1.84 tokens a forward against 1.93-2.01).
+# The shipped CPU table: `mlx-specdec calibrate` on a 2-core x86 machine (the default model in
+# float32, row-major weights, the small-row GEMM), fitted as `cost_probe.convex_fit` does. One row
+# of T query tokens after `context` tokens, as a multiple of one token.
 CPU_CONTEXTS = np.array([150.0, 2000.0, 6000.0])
 CPU_COST = np.array([  # T = 1 .. 8
     [1.0, 1.02, 1.04, 1.07, 1.11, 1.15, 1.20, 1.26],  # 150 tokens

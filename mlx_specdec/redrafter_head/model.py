@@ -16,9 +16,8 @@ the distillation answers instead of the LLM's full vocabulary (for SmolLM2-135M 
 
 With output="llm_head" (an EAGLE-like low-rank output) the head only learns a D-wide projection;
 the K x D output rows are the LLM's own (frozen, not stored: taken from the LLM at load time).
-Far fewer trained parameters (the first head, a learned 1152 x 4096 projection, overfit 93K
-tokens of distillation data: 36% teacher-forced top-1 on held-out answers), and training can
-also regress the predicted hidden state onto the LLM's real next hidden state.
+Far fewer trained parameters (a learned K-wide projection overfits a small distillation set),
+and training can also regress the predicted hidden state onto the LLM's real next hidden state.
 """
 
 from __future__ import annotations
