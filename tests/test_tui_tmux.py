@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import sqlite3
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -61,15 +63,17 @@ def wait_screen(session: str, pattern: str, timeout: float) -> str:
     raise AssertionError(f"{pattern!r} not on screen after {timeout:.0f}s:\n{screen}")
 
 
-def start_app(session: str, data: Path, max_tokens: int, method: str = "ar") -> Path:
-    """Start the app in a detached tmux session; returns the file its exit status goes to."""
-    env = {"MLX_SPECDEC_DATA": str(data), "TERM": "xterm-256color", "COLORTERM": "truecolor"}
+def start_app(session: str, data: Path, max_tokens: int, method: str = "ar", model: str = "default",
+              env: Optional[dict] = None) -> Path:
+    """Start the app in a detached tmux session (with `env` added to its environment); returns the
+    file its exit status goes to."""
+    env = {"MLX_SPECDEC_DATA": str(data), "TERM": "xterm-256color", "COLORTERM": "truecolor", **(env or {})}
     if os.environ.get("MLX_SPECDEC_HOME"):
-        env["MLX_SPECDEC_HOME"] = os.environ["MLX_SPECDEC_HOME"]
-    assignments = " ".join(f"{k}={v}" for k, v in env.items())
+        env.setdefault("MLX_SPECDEC_HOME", os.environ["MLX_SPECDEC_HOME"])
+    assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     status = data / f"exit-{time.time_ns()}"
-    command = (f"env {assignments} {sys.executable} -m mlx_specdec.cli chat "
-               f"--max-tokens {max_tokens} --method {method}; echo $? > {status}")
+    command = (f"env {assignments} {shlex.quote(sys.executable)} -m mlx_specdec.cli chat -m {shlex.quote(model)} "
+               f"--max-tokens {max_tokens} --method {method}; echo $? > {shlex.quote(str(status))}")
     data.mkdir(parents=True, exist_ok=True)
     # After kill-session the server of the last session exits; a client that connects while it is
     # exiting gets status 1 ("server exited unexpectedly"), so a failed start is tried again.
@@ -84,16 +88,26 @@ def start_app(session: str, data: Path, max_tokens: int, method: str = "ar") -> 
     return status
 
 
+def processes() -> dict:
+    """Every process's parent and command line, {pid: (ppid, command)}, from `ps` (Linux and macOS
+    alike; macOS has no /proc)."""
+    listing = subprocess.run(["ps", "-A", "-ww", "-o", "pid=,ppid=,command="], capture_output=True, text=True,
+                             check=True).stdout
+    table = {}
+    for line in listing.splitlines():
+        fields = line.split(None, 2)
+        if len(fields) >= 2 and fields[0].isdigit() and fields[1].isdigit():
+            table[int(fields[0])] = (int(fields[1]), fields[2] if len(fields) == 3 else "")
+    return table
+
+
 def app_pid(session: str) -> int:
-    """The app's Python process: a child of the pane's shell."""
+    """The app's Python process: a child (or grandchild) of the pane's shell."""
     shell = int(tmux("display-message", "-p", "-t", session, "#{pane_pid}").strip())
-    for child in Path(f"/proc/{shell}/task/{shell}/children").read_text().split():
-        cmdline = Path(f"/proc/{child}/cmdline").read_text().replace("\0", " ")
-        if "mlx_specdec.cli" in cmdline:
-            return int(child)
-        for grandchild in Path(f"/proc/{child}/task/{child}/children").read_text().split():
-            if "mlx_specdec.cli" in Path(f"/proc/{grandchild}/cmdline").read_text().replace("\0", " "):
-                return int(grandchild)
+    table = processes()
+    for pid, (parent, command) in sorted(table.items()):
+        if "mlx_specdec.cli" in command and shell in (parent, table.get(parent, (None,))[0]):
+            return pid
     raise AssertionError("the app's process was not found")
 
 

@@ -79,6 +79,8 @@ def run_pipeline(job: dict, ranks: int = 2, hostfile: Optional[str] = None, time
         ranks = check_hostfile(hostfile)
     if ranks < 2:
         raise UserError(f"--ranks needs at least 2, not {ranks}")
+    # one core per rank helps only ranks that share this machine; a hostfile gives each its own
+    job = dict(job, pin=bool(job.get("pin", True)) and not hostfile)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
         job_path = f.name

@@ -7,9 +7,11 @@ The job names the model, the split, the drafter, the emulated link, and the gene
 rank 0 (the head) runs the generations and prints one `@@mlx-specdec {json}` line per event on
 stdout for the launcher: the ranks' fingerprints and memory, tokens, stats, or one error line.
 
-Threads: with `pin` each rank runs on one core of its own (`os.sched_setaffinity`, rank r on
-core r mod cores) with one BLAS thread, set before MLX loads, so that two ranks on this 2-core
-machine share it fairly instead of four BLAS threads fighting for two cores.
+Threads: with `pin` (local ranks only: launch.py turns it off for a hostfile, where every rank
+has a machine of its own) each rank runs on one core of its own (`os.sched_setaffinity`, rank r on
+core r mod cores) with one BLAS thread, set before MLX loads, so that ranks sharing a machine with
+few cores share it fairly instead of their BLAS threads fighting for the cores. Where the system
+cannot pin a process (macOS has no `sched_setaffinity`) nothing is changed.
 """
 
 from __future__ import annotations
@@ -21,8 +23,16 @@ import sys
 MARK = "@@mlx-specdec "
 
 
+def can_pin() -> bool:
+    """Whether this system can move a process to one core (Linux; not macOS)."""
+    return hasattr(os, "sched_getaffinity") and hasattr(os, "sched_setaffinity")
+
+
 def _pin(rank: int) -> None:
-    """Before BLAS loads (it reads its thread count once)."""
+    """Before BLAS loads (it reads its thread count once). A system that cannot pin keeps its
+    threads as they are: one BLAS thread on a core shared with everything else would only be slower."""
+    if not can_pin():
+        return
     os.environ["OPENBLAS_NUM_THREADS"] = "1"
     os.environ["OMP_NUM_THREADS"] = "1"
     cores = sorted(os.sched_getaffinity(0))
@@ -35,7 +45,7 @@ def quiet_ring_threads(before: set) -> None:
     busy, and with a receive always posted the ranks' layers run much slower on a machine with few
     cores. SCHED_IDLE (Linux) lets them spin only on a core nothing else wants; on other systems
     nothing changes."""
-    if not before or not hasattr(os, "SCHED_IDLE"):
+    if not before or not (hasattr(os, "SCHED_IDLE") and hasattr(os, "sched_setscheduler")):
         return
     for tid in set(os.listdir("/proc/self/task")) - before:
         try:
@@ -78,7 +88,7 @@ def main(job_path: str) -> None:
         job = json.load(f)
     import mlx.core as mx
 
-    threads = set(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else set()
+    threads = set(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else set()  # Linux only
     try:
         group = mx.distributed.init()
     except RuntimeError as error:  # e.g. "[ring] Couldn't bind socket": an address not on this host
