@@ -8,6 +8,7 @@ import pytest
 from mlx_specdec.decoding import GenerationParams
 from mlx_specdec.engine import Engine
 from mlx_specdec.model.default import ensure_default_model, fetch_gguf
+from mlx_specdec.model.device import on_cpu
 from mlx_specdec.model.gguf import convert_gguf
 
 pytestmark = pytest.mark.slow
@@ -78,7 +79,7 @@ def test_default_model_answers(engine):
     answer = "".join(e.text for e in engine.generate("What is the capital of France?",
                                                      params=GenerationParams(max_tokens=16)))
     assert "Paris" in answer
-    assert engine.lm.dtype == "float32"  # the CPU default
+    assert engine.lm.dtype == ("float32" if on_cpu() else engine.lm.config["torch_dtype"])  # the CPU's, or the model's
 
 
 def test_default_model_directories_are_cached():

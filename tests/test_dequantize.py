@@ -47,11 +47,12 @@ def test_auto_dequantizes_a_small_quantized_model_on_the_cpu_and_never_an_unquan
         should_dequantize(model, 4, "maybe")
 
 
-def test_a_cuda_gpu_counts_as_a_gpu_not_as_the_cpu(request):
+def test_a_cuda_gpu_counts_as_a_gpu_not_as_the_cpu(request, monkeypatch):
     """Linux with MLX's CUDA backend has no Metal: it must still get the checkpoint's dtype and its
     quantized weights as they are (a CPU-only rule there cost a 6-bit model's speed on an H200)."""
     model = nn.Embedding(8, 64)
     model = nn.QuantizedEmbedding.from_embedding(model, group_size=64, bits=4)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.cpu)  # MLX computing on the CPU, on any machine
     assert loader.on_cpu() and loader.default_dtype({"torch_dtype": "float16"}) == "float32"
 
     request.getfixturevalue("fake_cuda_gpu")

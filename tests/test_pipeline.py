@@ -132,6 +132,14 @@ def test_sampled_pipeinfer_tokens_are_the_targets_own_samples(tiny):
 
 
 def _rank_pids(rank: int):
+    """The processes of pipeline rank `rank`: their command line and environment from /proc on
+    Linux, from `ps -E` (which appends each process's environment to its command line) on macOS."""
+    if not os.path.isdir("/proc"):
+        listing = subprocess.run(["ps", "-A", "-E", "-ww", "-o", "pid=,command="], capture_output=True, text=True)
+        if listing.returncode != 0:
+            pytest.skip("neither /proc nor `ps -E` here: the ranks' processes cannot be found")
+        return [int(line.split(None, 1)[0]) for line in listing.stdout.splitlines()
+                if "distributed/rank.py" in line and f" MLX_RANK={rank} " in line + " "]
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
