@@ -16,12 +16,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Dict, Iterable, Mapping, Optional, Tuple
+from typing import Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 import importlib
 
 from .decoding.base import GenerationParams
-from .decoding.triforce_bottom import BOTTOMS
+from .drafting.sources import source_names
 
 
 class SettingError(ValueError):
@@ -35,7 +35,7 @@ class SettingError(ValueError):
 @dataclass(frozen=True)
 class Setting:
     name: str  # the option name: the server's JSON field, GenerationParams.options' key
-    kind: str  # "int", "float", "bool" (on/off) or "choice"
+    kind: str  # "int", "float", "bool" (on/off), "choice" or "list" (comma-separated names)
     default: object  # None: the method decides (the setting is left out of the options)
     help: str
     low: Optional[float] = None
@@ -45,6 +45,8 @@ class Setting:
     values: Optional[Mapping[str, object]] = None  # choice -> the value the method reads
     expert: bool = False  # off the main --help (listed by --help-expert) and folded in the chat
     flags: Tuple[str, ...] = ()  # CLI flags; default: --name-with-dashes
+    check: Optional[Callable[[str], object]] = None  # "list": text -> the value (ValueError: refused)
+    takes: str = ""  # "list": what it takes, in words
 
     @property
     def cli_flags(self) -> Tuple[str, ...]:
@@ -55,6 +57,8 @@ class Setting:
         return self.name.replace("_", " ")
 
     def bounds(self) -> str:
+        if self.kind == "list":
+            return self.takes
         if self.kind == "choice":
             return " or ".join(self.choices)
         if self.kind == "bool":
@@ -79,6 +83,15 @@ class Setting:
             if isinstance(value, str) and value.strip().lower() in ("on", "off", "true", "false"):
                 return value.strip().lower() in ("on", "true")
             raise bad
+        if self.kind == "list":
+            if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+                value = ",".join(value)
+            if not isinstance(value, str):
+                raise bad
+            try:
+                return self.check(value)
+            except ValueError as error:
+                raise SettingError(self.name, str(error)) from None
         if self.kind == "choice":
             if not isinstance(value, str) or value.strip().lower() not in self.choices:
                 raise bad
@@ -185,27 +198,32 @@ REDRAFTER = (
     _on_off("eager_drafts", R.DEFAULT_EAGER_DRAFTS,
             "draft every depth in one graph, read in the step's one sync, instead of depth by depth"),
     _on_off("profile", False, "sync after each phase to report draft/verify/accept time (slower)"),
+    Setting("sources", "list", R.DEFAULT_SOURCES, "the drafting sources asked for each row's drafts, in order: "
+            "the first that offers a chain drafts the row, the head (last) the rest", expert=True,
+            check=lambda text: ",".join(source_names(text)),
+            takes="a comma list of drafting sources (drafting/sources.py), the head last"),
 )
 
 T = importlib.import_module(".decoding.triforce", __package__)
+TB = importlib.import_module(".decoding.triforce_bottom", __package__)
 TRIFORCE = (
     _int("budget", T.DEFAULT_BUDGET, 16, 65536, "retrieval cache budget: prompt keys kept per KV head"),
     _int("gamma", T.DEFAULT_GAMMA, 1, 64, "tokens the retrieval level collects per full-cache verify (γ2)"),
-    Setting("bottom", "choice", "ngram", "the level below the retrieval level: ngram (prompt lookup), none, "
-            "model (--draft-model) or redrafter (the draft head)", choices=tuple(BOTTOMS)),
+    Setting("bottom", "choice", TB.DEFAULT_BOTTOM, "the level below the retrieval level: ngram (prompt lookup), none, "
+            "model (--draft-model) or redrafter (the draft head)", choices=tuple(TB.BOTTOMS)),
     _int("draft_length", T.DEFAULT_DRAFT, 1, 32, "tokens the bottom level drafts per retrieval-level verify (γ1)"),
-    Setting("middle_cache", "choice", "retrieval", "the middle level's cache: retrieval (the prompt's best "
+    Setting("middle_cache", "choice", T.DEFAULT_MIDDLE_CACHE, "the middle level's cache: retrieval (the prompt's best "
             "chunks) or streaming (sink + recent tokens)", choices=tuple(T.MIDDLE_CACHES), expert=True),
     _int("score_window", T.DEFAULT_SCORE_WINDOW, 1, 4096, "the last prompt tokens whose queries choose the chunks",
          expert=True),
-    Setting("score_reduce", "choice", "mean", "how query heads sharing a KV head score a chunk: mean or max",
+    Setting("score_reduce", "choice", T.DEFAULT_SCORE_REDUCE, "how query heads sharing a KV head score a chunk: mean or max",
             choices=("mean", "max"), expert=True),
-    _int("rebuild_stride", 0, 0, 1_000_000, "rebuild the retrieval cache every N generated tokens; 0 = never",
+    _int("rebuild_stride", T.DEFAULT_REBUILD_STRIDE, 0, 1_000_000, "rebuild the retrieval cache every N generated tokens; 0 = never",
          expert=True),
-    _fraction("rebuild_below", 0.0, "rebuild the retrieval cache when its rolling acceptance falls below this; "
+    _fraction("rebuild_below", T.DEFAULT_REBUILD_BELOW, "rebuild the retrieval cache when its rolling acceptance falls below this; "
               "0 = never", expert=True),
-    _int("draft_sink", 16, 0, 4096, "--bottom model: the draft model's attention-sink tokens", expert=True),
-    _int("draft_window", 240, 1, 65536, "--bottom model: the draft model's recent-token window", expert=True),
+    _int("draft_sink", TB.DEFAULT_DRAFT_SINK, 0, 4096, "--bottom model: the draft model's attention-sink tokens", expert=True),
+    _int("draft_window", TB.DEFAULT_DRAFT_WINDOW, 1, 65536, "--bottom model: the draft model's recent-token window", expert=True),
 )
 
 A = importlib.import_module(".decoding.apar", __package__)

@@ -26,6 +26,8 @@ def good_and_bad(s):
     """(a good value as text, the value it parses to, a bad value as text) for a setting."""
     if s.kind == "bool":
         return ("off" if s.default else "on"), (not s.default), "maybe"
+    if s.kind == "list":
+        return "lookup,recent,head", "lookup,recent,head", "lookup,nope,head"
     if s.kind == "choice":
         text = next(c for c in s.choices if s.parse(c) != s.parse(s.default or s.choices[0])) \
             if len(s.choices) > 1 else s.choices[0]
@@ -72,10 +74,10 @@ def test_every_setting_parses_the_same_from_the_cli_the_server_and_the_chat(meth
     with pytest.raises(UserError, match=flag):
         cli_options("generate", flag, bad)
     # server: the JSON value (numbers as JSON numbers), and a 400 naming the field for a bad one
-    json_value = text if setting.kind in ("bool", "choice") else value
+    json_value = text if setting.kind in ("bool", "choice", "list") else value
     assert server_options(method, {setting.name: json_value})[setting.name] == value
     with pytest.raises(ApiError) as error:
-        server_options(method, {setting.name: bad if setting.kind in ("bool", "choice") else 10**12})
+        server_options(method, {setting.name: bad if setting.kind in ("bool", "choice", "list") else 10**12})
     assert error.value.status == 400 and error.value.param == setting.name
     # chat: the settings screen's text parses to the same value, and a bad one is refused
     pytest.importorskip("textual")

@@ -65,7 +65,7 @@ def _add_method_args(p: argparse.ArgumentParser, lists: bool = False) -> None:
     combination runs. Expert settings are accepted but listed only by --help-expert."""
     from ..settings import method_settings
 
-    kind = "comma list of " if lists else ""
+    kind = "comma list of " if lists else ""  # (a list setting's alternatives: separated by ";")
     p.add_argument("--drafter", default="auto", help=DRAFTER_HELP + (
         "; a comma list runs redrafter once per head, in the same run" if lists else ""))
     p.add_argument("--draft-model", default=None,
@@ -105,8 +105,10 @@ def method_grids(args) -> dict:
 
     grids: dict = {}
     for method, s in method_settings():
-        if getattr(args, s.name, None):
-            grids.setdefault(method.name, {})[s.name] = [_parse(s, v) for v in _comma_list(getattr(args, s.name))]
+        text = getattr(args, s.name, None)
+        if text:  # a list setting's values are themselves comma lists: its alternatives split on ";"
+            values = [v for v in text.split(";") if v.strip()] if s.kind == "list" else _comma_list(text)
+            grids.setdefault(method.name, {})[s.name] = [_parse(s, v) for v in values]
     return grids
 
 
