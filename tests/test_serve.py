@@ -276,10 +276,10 @@ def test_the_default_model_serves_redrafter_and_apar():
         process.wait(timeout=10)
 
 
-def start_server(model, port, *extra):
+def start_server(model, port, *extra, wait_s: float = 60):
     process = subprocess.Popen([sys.executable, "-m", "mlx_specdec.cli", "serve", "-m", model, "--port", str(port), *extra],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 60
+    deadline = time.time() + wait_s
     while time.time() < deadline:
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)

@@ -10,33 +10,16 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import subprocess
-import sys
 import time
 import urllib.request
 
 import pytest
 
-from test_serve import free_port
+from test_serve import free_port, start_server
 
 pytestmark = pytest.mark.slow
 LONG = {"messages": [{"role": "user", "content": "Write a very long story about a lighthouse keeper."}],
         "max_tokens": 2000, "temperature": 0}
-
-
-def start(port: int) -> subprocess.Popen:
-    process = subprocess.Popen([sys.executable, "-m", "mlx_specdec.cli", "serve", "--port", str(port)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            return process
-        except OSError:
-            assert process.poll() is None, process.stdout.read()
-            time.sleep(0.3)
-    process.kill()
-    pytest.fail("the server did not start")
 
 
 def post(port: int, body: dict, timeout: float) -> dict:
@@ -61,7 +44,8 @@ def raw_request(port: int, body: dict) -> socket.socket:
 
 def test_leaving_joining_and_sigterm_on_the_real_server():
     port = free_port()
-    process = start(port)
+    process = start_server("default", port, wait_s=180)
+    assert process.poll() is None, process.stdout.read()
     try:
         # the model as the server was started ("default") is accepted, and is fast enough here
         short = post(port, {**LONG, "max_tokens": 8, "model": "default"}, timeout=60)
