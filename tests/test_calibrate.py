@@ -74,6 +74,17 @@ def test_a_stored_table_is_read_back_for_this_model_on_this_machine_only(home):
     assert cost_probe.load_table(lm) is None
 
 
+def test_a_stored_table_that_is_not_convex_is_refitted_from_its_medians(home):
+    # a costly second token and free ones after it (an older fit, or a hand edit): the sampling
+    # rule's first peak and greedy's argmax would part; read back, it is the convex fit of the medians
+    lm = make_tiny_lm(seed=1)
+    ratios = np.array([[1.0, 1.2, 1.21, 1.22, 1.5]])
+    cost_probe.save_table(lm, CostTable(np.array([100.0]), ratios.copy(), "measured", ratios), rounds=1)
+    loaded = cost_probe.load_table(lm)
+    assert np.allclose(loaded.costs, cost_probe.convex_fit(ratios[0])[None]) and "refitted" in loaded.source
+    assert cost_probe.is_convex(loaded.costs) and not cost_probe.is_convex(ratios)
+
+
 def test_a_table_measured_over_weights_laid_out_otherwise_is_not_used(home):
     from mlx_specdec.model.cpu_layout import COLUMN, ROW, current_layout, store_layout
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from mlx_specdec.drafting.tree import dedup_prefix
-from mlx_specdec.drafting.verify_cost import CPU_CONTEXTS, CPU_COST, CostTable, verify_cost, worth_verifying
+from mlx_specdec.drafting.verify_cost import CPU_CONTEXTS, CPU_COST, CostTable, shipped_table, verify_cost, worth_verifying
 
 # The rule's cases below are worked out on the table first measured (a 2-core VM before the small-row
 # GEMM, a 5-token verify after 150 tokens at 1.60), whatever table ships now.
@@ -110,3 +110,28 @@ def test_the_rate_meter_is_tokens_over_predicted_cost_from_its_prior():
     meter.add(3.0, step_tokens=3, context=150)  # 3 tokens for a 3-token verify (1.32)
     want = (RateMeter.PRIOR_RATE * RateMeter.PRIOR_COST + 3.0) / (RateMeter.PRIOR_COST + verify_cost(3, 150))
     assert meter.rate == pytest.approx(want)
+
+
+def test_sampling_counts_w_tokens_a_depth_whatever_the_chains_drew():
+    # Two sampled chains that drew the same first token pack 1 + 1 + 2 tokens, two that did not
+    # 1 + 2 + 2: greedy counts what is packed, sampling 1 + 2k either way (fixed before the draws).
+    probs = np.array([[[0.35, 0.5], [0.35, 0.5]]], dtype=np.float32)
+    shared = dedup_prefix(np.array([[[5, 1, 2], [5, 1, 4]]], dtype=np.int32), np)
+    apart = dedup_prefix(np.array([[[5, 1, 2], [5, 3, 4]]], dtype=np.int32), np)
+    table = shipped_table()
+    greedy = [worth_verifying(probs, owner, 2, 6000, table=table) for owner in (shared, apart)]
+    sampled = [worth_verifying(probs, owner, 2, 6000, table=table, breadth=np.array([2])) for owner in (shared, apart)]
+    assert greedy == [2, 1]  # 1.35 tokens for 1.23 (shared) or for 1.46 (apart)
+    assert sampled == [1, 1]
+
+
+def test_on_a_convex_table_the_first_peak_sampling_takes_is_greedy_s_argmax():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        steps = np.sort(rng.uniform(0.0, 0.4, size=7))  # convex: each more token costs at least the last
+        table = CostTable(np.array([150.0]), np.concatenate([[1.0], 1.0 + np.cumsum(steps)])[None], "convex")
+        probs, owner = _chain(rng.uniform(0.0, 1.0, size=5))
+        rate = [None, float(rng.uniform(0.5, 2.0))][int(rng.integers(2))]
+        kept = int(rng.integers(1, 7))
+        assert worth_verifying(probs, owner, kept, 150, rate=rate, table=table, breadth=np.array([1])) == \
+            worth_verifying(probs, owner, kept, 150, rate=rate, table=table)

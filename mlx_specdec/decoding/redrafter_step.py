@@ -196,9 +196,11 @@ class RedrafterLoop:
         if with_runners and self.runners.compete:
             step_length, planned = self.runners.plan(self.beams, judged, step_length, head_rows,
                                                      int(self.lengths.max()))
-        elif s.cost_aware:
-            step_length = worth_verifying(judged, self.owner, step_length, int(self.lengths.max()),
-                                          rate=self.meter.rate if self.meter is not None else None, table=s.cost_table)
+        elif s.cost_aware:  # sampling: from what is fixed before the draws (verify_cost.py, "Sampling")
+            breadth = None if self.params.greedy else np.where(head_rows, self.beams.shape[1], 1)
+            rate = self.meter.rate if self.meter is not None else None
+            step_length = worth_verifying(judged, self.owner, step_length, int(self.lengths.max()), rate=rate,
+                                          table=s.cost_table, breadth=breadth)
         return Plan(step_length, judged, planned, with_runners)
 
     def pack(self, plan: Plan) -> Tree:
@@ -377,8 +379,7 @@ class RedrafterLoop:
     def report(self) -> None:
         steps, tally = self.tally["steps"], self.tally
         self.stats.extra.update(
-            beam_width=self.s.width,
-            beam_length=self.s.length,
+            beam_width=self.s.width, beam_length=self.s.length,
             steps=steps,
             acceptance_per_position=[round(float(c) / max(1, steps - tally["lookup_steps"]), 3)
                                      for c in self.per_position],
@@ -389,8 +390,7 @@ class RedrafterLoop:
             judged_drafts=self.trusts[-1].events,
             judged_for_free=self.trusts[-1].free_events,
             lookup_steps=round(tally["lookup_steps"] / steps, 3) if steps else 0.0,
-            lookup_accepted_per_step=round(tally["lookup_accepted"] / tally["lookup_steps"], 3)
-            if tally["lookup_steps"] else 0.0,
+            lookup_accepted_per_step=round(tally["lookup_accepted"] / max(1, tally["lookup_steps"]), 3),
             runners_up_verified=tally["runners_up"],
             runners_up_accepted=tally["runners_up_accepted"],
             runners_up_deeper_accepted=tally["runners_up_deeper_accepted"],

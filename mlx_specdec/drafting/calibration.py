@@ -17,9 +17,12 @@ and moves with evidence; every judged draft is one event at the depth it was rea
                             verifying it would have said; sampling: a proxy) -- for free, so a row
                             whose drafts are all cut still learns when the head becomes right again
 
-Deeper drafts were not reached and say nothing. Speed only: the cutoff decides before any drafted
-token of the step is checked and from confidences that do not depend on the drawn tokens
-(`redrafter_head.beam.sample_beams`), so greedy output stays the target's and sampling stays exact.
+Deeper drafts were not reached and say nothing. Speed only: trust comes from earlier steps, and
+the cutoff decides before any drafted token of the step is checked. Greedy output stays the
+target's. Sampling stays exact: a sampled draft's confidence is the peak of the q it was drawn
+from (`redrafter_head.beam.sample_beams`), which depends on the drafts before it in its chain and
+not on the draft itself, so whether depth j+1 is kept is settled by the depths before it (a
+stopping rule: drafting/verify_cost.py, "Sampling").
 """
 
 from __future__ import annotations

@@ -20,7 +20,10 @@ what it adds to the cost (drafting/runners_up.plan_step): a fit that kept the no
 would make some extra token look free and fill it with unlikely runners-up. Each context's
 medians are stored beside the fit (`ratios`). The stored file names the machine and the weight
 layout (model/cpu_layout.py) it was measured with; on another machine, or over weights laid out
-otherwise, it is ignored.
+otherwise, it is ignored. A stored table that is not convex in T (hand-edited, or written by an
+older fit) is refitted on load, from its medians where it kept them: the step-length rule takes
+the argmax for greedy and the first peak for sampling (drafting/verify_cost.py), which agree only
+on a convex table.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ from .verify_cost import CostTable, shipped_table
 DEFAULT_CONTEXTS = (150, 2000, 6000)
 DEFAULT_TOKENS = 8  # T = 1..8: ReDrafter's default chains verify at most 5, lookup streaks more
 DEFAULT_ROUNDS = 21  # cheap next to the 6,000-token prefill; the fit is steadier with more
+# How far a stored row's steps may shrink and still count as convex: a fit rounded to 4 decimals
+# (`save_table`) moves a second difference by 2e-4 at most.
+CONVEX_SLACK = 1e-3
 
 
 def measure_table(model, contexts: Sequence[int], max_tokens: int = DEFAULT_TOKENS, rounds: int = DEFAULT_ROUNDS,
@@ -112,7 +118,7 @@ def save_table(lm, table: CostTable, rounds: int) -> Path:
 
 
 def load_table(lm) -> Optional[CostTable]:
-    """The table `calibrate` stored for this model on this machine, or None."""
+    """The table `calibrate` stored for this model on this machine (refitted where not convex), or None."""
     path = table_path(lm)
     try:
         record = json.loads(path.read_text())
@@ -126,9 +132,22 @@ def load_table(lm) -> Optional[CostTable]:
         contexts = np.array(record["contexts"], dtype=np.float64)
         if costs.ndim != 2 or costs.shape[0] != len(contexts) or costs.shape[1] < 2:
             return None
+        if not (np.isfinite(costs).all() and (costs > 0).all() and (np.diff(contexts) > 0).all()):
+            return None
+        ratios = np.array(record.get("ratios") or costs, dtype=np.float64)
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return CostTable(contexts, costs, f"measured {record.get('measured_at', '?')} ({path})")
+    source = f"measured {record.get('measured_at', '?')} ({path})"
+    if not is_convex(costs):
+        measured = ratios.shape == costs.shape and np.isfinite(ratios).all() and (ratios > 0).all()
+        fit_to = ratios if measured else costs
+        costs, source = np.stack([convex_fit(row / row[0]) for row in fit_to]), source + ", refitted convex"
+    return CostTable(contexts, costs, source)
+
+
+def is_convex(costs: np.ndarray, slack: float = CONVEX_SLACK) -> bool:
+    """costs (C, T): every row starts at 1 and no step in T is smaller than the one before it."""
+    return bool(np.allclose(costs[:, 0], 1.0) and (np.diff(costs, n=2, axis=1) >= -slack).all())
 
 
 def cost_table_for(lm) -> Optional[CostTable]:

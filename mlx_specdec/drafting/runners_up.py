@@ -24,6 +24,12 @@ gain clears the cutoff. With `--runners-compete on` (the default) the chain's de
 first: its drafts and the runners-up compete for the verify's query tokens (`plan_step`). Speed
 only: gains come from the head's confidences, which do not depend on what the target will say, so
 greedy output stays the target's.
+
+Greedy only: the head offers runners-up only with its greedy stepwise chain (`HeadProposer`), so a
+sampling step never reaches this planner. It could not be exact there: a runner-up is the head's
+own pick, not a draw from q, which the multi-candidate acceptance rule does not cover; and
+`plan_step` ranks all nodes together, so whether a depth-1 node is verified would depend on the
+reach of deeper drafts, which under sampling depends on the token drawn at depth 1.
 """
 
 from __future__ import annotations

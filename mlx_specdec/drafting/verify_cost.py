@@ -17,8 +17,26 @@ So after the cutoff, each step verifies the depth k (0 = a plain step) that maxi
 or, with `--verify-cost margin`, the depth with the most expected tokens minus rate * B * cost,
 rate = the tokens per unit of cost the answer has got so far (`RateMeter`).
 
-Speed only: the depth is chosen from confidences that do not depend on the drawn tokens (as the
-cutoff is), so greedy output stays the target's and sampling stays exact.
+Greedy: speed only, whatever the rule reads (the output is the target's argmax chain).
+
+Sampling: the rule must not read what the acceptance rule treats as random. Counting the packed
+tree's tokens does: whether sampled chains share a token decided the depth, which biased the
+output (q = (.45, .35, .2), p = (.1, .3, .6), two chains at 6,000 tokens: the first token came out
+(.1085, .2955, .596)). What is exact: whether depth j+1 is verified depends on the drafts at
+depths <= j only (a stopping rule). Given those, the drafts at depth j+1 are still fresh draws
+from q behind the accepted prefix, so verifying that depth is plain (multi-candidate) rejection
+sampling and cutting it leaves the target's own draw: either way each emitted token follows p
+given the ones before it. (Other rows' drafts are independent of a row's: a batch shares one
+depth.) So under sampling the rule
+    - counts T(k) = 1 + k * breadth, fixed before any draw (breadth: W for a row of sampled
+      chains, 1 for a host-side source's chain, whose W beams are one chain);
+    - goes one depth deeper only while that raises its objective. reach(j+1), a max over beams of
+      products of confidences (each the peak of the q its draft is drawn from, which depends on
+      the drafts before it and not on the draft), is known once depth j is drawn.
+With a convex cost row (each more token costing at least what the one before did, as fitted and
+shipped tables are) and reach falling with depth, the ratio and the margin are unimodal in k, so
+this first peak is the argmax greedy takes; with any table it is exact. The cutoff (`kept_length`)
+is a stopping rule the same way.
 
 The table is the machine's own when `mlx-specdec calibrate` has measured it there for this model
 (drafting/cost_probe.py: machines differ, even of one kind). Without one, the CPU uses the
@@ -83,28 +101,36 @@ def kept_length(confidence: np.ndarray, cutoff: float) -> int:
 
 
 def worth_verifying(probs: np.ndarray, owner: np.ndarray, kept: int, context: int,
-                    rate: float | None = None, table: Optional[CostTable] = None) -> int:
+                    rate: float | None = None, table: Optional[CostTable] = None,
+                    breadth: Optional[np.ndarray] = None) -> int:
     """probs (B, W, L-1): calibrated draft probabilities; owner (B, W, L): `dedup_prefix`'s first
     beam with each prefix; kept: the step length the cutoff allows. -> the step length (1 + drafts)
     in 1..kept with the most expected tokens per unit of verify cost; with `rate` (tokens a row
     gets per unit of cost over the answer so far, `RateMeter`), the most expected tokens beyond
-    what that cost buys at that rate (the "margin" rule below)."""
+    what that cost buys at that rate (the "margin" rule below).
+
+    breadth (B,): sampling (see the module docstring): the query tokens each row adds per depth,
+    fixed before the draws; `owner` is then not read and the depth is the first peak."""
     if kept <= 1:
         return kept
     B, W = probs.shape[:2]
     reach = np.cumprod(probs[:, :, : kept - 1], axis=-1).max(axis=1)  # (B, kept-1): the likeliest beam to depth j
-    new_prefix = owner[:, :, :kept] == np.arange(W)[None, :, None]  # (B, W, kept): a packed token each
-    tree_tokens = np.cumsum(new_prefix.sum(axis=1), axis=-1).max(axis=0)  # (kept,) T(k), widest row
+    if breadth is None:
+        new_prefix = owner[:, :, :kept] == np.arange(W)[None, :, None]  # (B, W, kept): a packed token each
+        tree_tokens = np.cumsum(new_prefix.sum(axis=1), axis=-1).max(axis=0)  # (kept,) T(k), widest row
+    else:
+        tree_tokens = 1 + np.arange(kept) * int(np.max(breadth))  # (kept,) T(k), whatever is drawn
     per_t = costs_at(context, table)  # once a step: the row for this context
     if rate is not None:
-        return 1 + int(np.argmax([B + reach[:, :k].sum() - rate * B * cost_of(per_t, int(tree_tokens[k]))
-                                  for k in range(kept)]))
-    best, best_rate = 1, B / cost_of(per_t, int(tree_tokens[0]))
-    for k in range(1, kept):
-        step_rate = (B + reach[:, :k].sum()) / cost_of(per_t, int(tree_tokens[k]))
-        if step_rate > best_rate:
-            best, best_rate = k + 1, step_rate
-    return best
+        score = [B + reach[:, :k].sum() - rate * B * cost_of(per_t, int(tree_tokens[k])) for k in range(kept)]
+    else:
+        score = [(B + reach[:, :k].sum()) / cost_of(per_t, int(tree_tokens[k])) for k in range(kept)]
+    if breadth is None:
+        return 1 + int(np.argmax(score))  # the first among equals
+    k = 0  # depth k + 1 is decided from score[k + 1], which reads the drafts at depths <= k only
+    while k + 1 < kept and score[k + 1] > score[k]:
+        k += 1
+    return 1 + k
 
 
 def runners_up_worth(expected: float, tokens: int, probs: np.ndarray, context: int,
