@@ -301,4 +301,4 @@ def test_train_apar_bad_input(tmp_path):
     result = cli("train-apar", "--help")
     assert result.returncode == 0 and "usage: mlx-specdec train-apar" in result.stdout
     result = cli("generate", "-p", "hi", "--method", "apar", "--max-depth", "-1")
-    assert result.returncode == 1 and "--max-depth must be at least 0" in result.stderr
+    assert result.returncode == 1 and "--max-depth takes a whole number from 0 to 8, not '-1'" in result.stderr
