@@ -232,6 +232,8 @@ class GenerationWorker:
                 if event.kind == "done":
                     job.put(DONE)
                     del rows[event.thread_id]
+                    with self._arrived:  # a batch that never drains must not keep its finished jobs
+                        self._running = [j for j in self._running if j is not job]
 
         admit(first)
         try:
