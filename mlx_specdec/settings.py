@@ -251,6 +251,13 @@ SAMPLING = (
     Setting("temperature", "float", 0.0, "temperature; 0 = greedy", low=0.0, high=2.0, flags=("--temp",)),
     Setting("top_p", "float", 1.0, "nucleus sampling threshold", low=0.0, high=1.0, low_open=True),
     Setting("seed", "int", None, "random seed for sampling", low=0),
+    Setting("frequency_penalty", "float", 0.0, "OpenAI's: lower each token's logit by this times its count in "
+            "the answer so far", low=-2.0, high=2.0),
+    Setting("presence_penalty", "float", 0.0, "OpenAI's: lower the logit of every token already in the answer "
+            "by this", low=-2.0, high=2.0),
+    Setting("repetition_penalty", "float", 1.0, "mlx-lm's: divide the positive logits (multiply the negative "
+            "ones) of the last repetition_context_size tokens by this; 1 = off", low=0.0, high=10.0, low_open=True),
+    _int("repetition_context_size", 20, 1, 4096, "the tokens the repetition penalty looks back over"),
 )
 
 #: GenerationParams fields a batch row keeps for itself; every other field must match to share a batch

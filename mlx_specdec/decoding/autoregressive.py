@@ -12,6 +12,7 @@ from typing import Iterator
 import mlx.core as mx
 
 from ..model.forward import forward
+from ..penalties import History, Penalties
 from .base import DecodeContext, Step, keep_prefix, prefilled_cache
 
 
@@ -19,9 +20,18 @@ def autoregressive(ctx: DecodeContext) -> Iterator[Step]:
     model, sampler = ctx.lm.model, ctx.sampler
     greedy = ctx.params.greedy
     cache = prefilled_cache(ctx, ctx.prompt[:-1])
+    pen = Penalties.of(ctx.params)
+    history = None if pen is None else History(pen, ctx.prompt)
 
     def next_token(token: mx.array) -> mx.array:  # token: (1,) -> (1,)
         logits = forward(model, token[None], cache, logits_for="last").logits[:, -1, :]  # (1, V)
+        if history is not None:
+            chosen = choose(history(logits))
+            history.add(chosen)
+            return chosen
+        return choose(logits)
+
+    def choose(logits: mx.array) -> mx.array:
         if greedy:  # argmax needs no normalisation: skip a vocabulary-wide logsumexp per token
             return mx.argmax(logits, axis=-1)
         return sampler(logits - mx.logsumexp(logits, keepdims=True))

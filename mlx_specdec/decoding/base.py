@@ -35,6 +35,11 @@ class GenerationParams:
     stop: Sequence[str] = ()
     prefill_chunk: int = 512
     options: Dict[str, object] = field(default_factory=dict)  # method-specific settings
+    # repetition penalties on the logits (penalties.py): OpenAI's two and mlx-lm's; these values = off
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_context_size: int = 20  # the tokens the repetition penalty looks back over
 
     @property
     def greedy(self) -> bool:

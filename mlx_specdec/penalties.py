@@ -1,0 +1,200 @@
+"""Repetition penalties on the target's logits: the one place their math lives.
+
+Applied to the raw logits before the temperature and top-p (`acceptance.sampling_logits`), and
+before the argmax when greedy: they change what the target itself would write, so every lossless
+method applies them exactly where `ar` does, and a speculative method to each verified node with
+that node's own text.
+
+    repetition (mlx-lm's `make_repetition_penalty`): every distinct token t among the last
+        `repetition_context_size` tokens of prompt + answer: logit < 0 -> logit * r, else logit / r
+    presence, frequency (OpenAI's): logit[t] -= p * [count(t) > 0] + f * count(t), count(t) = the
+        times t was written in the answer so far (the prompt is not counted)
+
+in that order (mlx-lm's `make_logits_processors`: repetition, presence, frequency). All lazy
+MLX graphs; with every penalty off (`Penalties.of` returns None) no method calls anything here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import UserError
+
+#: the GenerationParams fields that are penalties, and the value that turns each off
+OFF = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+#: methods that apply them exactly; the others refuse a request that sets one
+SUPPORTED = ("ar", "mlx-lm", "redrafter")
+
+
+class Unsupported(UserError):
+    """A sampling field the chosen method cannot apply: a usage error (the CLI exits 2)."""
+
+    exit_status = 2
+
+    def __init__(self, param: str, method: str):
+        super().__init__(f"{param}: not supported by {method}")
+        self.param = param
+
+
+def requested(params) -> List[str]:
+    """The penalty fields `params` turns on."""
+    return [name for name, off in OFF.items() if getattr(params, name, off) != off]
+
+
+def check_method(method: str, params) -> None:
+    """Refuse (one line, naming the field) a penalty the method does not apply."""
+    wanted = requested(params)
+    if wanted and method not in SUPPORTED:
+        raise Unsupported(wanted[0], method)
+
+
+@dataclass(frozen=True)
+class Penalties:
+    frequency: float = 0.0
+    presence: float = 0.0
+    repetition: float = 1.0
+    window: int = 20  # repetition_context_size
+
+    @classmethod
+    def of(cls, params) -> Optional["Penalties"]:
+        """The params' penalties, or None when every one is off."""
+        if not requested(params):
+            return None
+        return cls(float(params.frequency_penalty), float(params.presence_penalty),
+                   float(params.repetition_penalty), int(params.repetition_context_size))
+
+    @property
+    def counts(self) -> bool:  # needs the answer's token counts
+        return self.frequency != 0.0 or self.presence != 0.0
+
+    @property
+    def recent(self) -> bool:  # needs the last `window` tokens
+        return self.repetition != 1.0
+
+
+def penalize(logits: mx.array, pen: Penalties, counts: Optional[mx.array], recent: Optional[mx.array]) -> mx.array:
+    """logits (..., V); counts (..., V) (broadcast): the answer's count of each token; recent
+    (..., K) int: the repetition window's token ids (a token may repeat: it is penalized once)."""
+    if pen.recent:
+        chosen = mx.take_along_axis(logits, recent, axis=-1)
+        chosen = mx.where(chosen < 0, chosen * pen.repetition, chosen / pen.repetition)
+        logits = mx.put_along_axis(logits, recent, chosen.astype(logits.dtype), axis=-1)
+    if pen.presence != 0.0:
+        logits = logits - pen.presence * (counts > 0).astype(logits.dtype)
+    if pen.frequency != 0.0:
+        logits = logits - pen.frequency * counts.astype(logits.dtype)
+    return logits
+
+
+def window_of(tokens: Sequence[int], size: int) -> np.ndarray:
+    """The last `size` tokens, front-padded by repeating the first (a repeat changes nothing)."""
+    tail = list(tokens[-size:])
+    return np.array([tail[0]] * (size - len(tail)) + tail, dtype=np.int32)
+
+
+class History:
+    """One sequence's penalty state on the device, updated lazily (`ar`'s pipelined loop never
+    waits for it): the answer's token counts and the repetition window."""
+
+    def __init__(self, pen: Penalties, prompt: Sequence[int]):
+        self.pen = pen
+        self.counts: Optional[mx.array] = None  # (1, V), made at the first logits
+        self.recent = mx.array(window_of(prompt, pen.window))[None] if pen.recent else None
+
+    def __call__(self, logits: mx.array) -> mx.array:  # (1, V) -> (1, V), penalized
+        if self.pen.counts and self.counts is None:
+            self.counts = mx.zeros(logits.shape, dtype=mx.float32)
+        return penalize(logits, self.pen, self.counts, self.recent)
+
+    def add(self, token: mx.array) -> None:  # token (1,): the next token of the answer
+        if self.counts is not None:
+            self.counts = self.counts + (mx.arange(self.counts.shape[-1])[None] == token[:, None])
+        if self.recent is not None:
+            self.recent = mx.concatenate([self.recent[:, 1:], token[:, None].astype(mx.int32)], axis=1)
+
+
+class TreePenalties:
+    """A batch of rows whose every verified node is penalized by its own text: the prompt, the
+    answer so far (its own token last), then the drafts on the node's path, the node's own last.
+    The answer's counts (B, V) stay on the device; a node's path adds a scatter of its few drafts."""
+
+    def __init__(self, pen: Penalties, prompts: Sequence[Sequence[int]], vocab: int):
+        self.pen, self.vocab = pen, vocab
+        self.counts = mx.zeros((len(prompts), vocab), dtype=mx.float32)
+        self.recent = np.stack([window_of(p, pen.window) for p in prompts])  # (B, K) host
+
+    def first(self, logits: mx.array) -> mx.array:  # (B, V) after the prompt alone
+        return penalize(logits, self.pen, self.counts, mx.array(self.recent))
+
+    def nodes(self, logits: mx.array, beams: np.ndarray, packed) -> mx.array:
+        """logits (B, N, V) at the packed tree's nodes; beams (B, W, L) with the own token at
+        depth 0; packed: each row's PackedTree (its `index` maps (w, j) to a node)."""
+        B, N, _ = logits.shape
+        W, L = beams.shape[1:]
+        where = np.zeros((B, N), dtype=np.int64)  # a (w, j) of each node: its path is beams[w, 1 : j + 1]
+        for b, tree in enumerate(packed):
+            where[b, tree.index.ravel()] = np.arange(W * L)
+        beam, depth = where // L, where % L
+        path = np.take_along_axis(beams[:, :, 1:], beam[..., None], axis=1)  # (B, N, L-1)
+        on_path = np.arange(L - 1) < depth[..., None]  # (B, N, L-1)
+        counts = recent = None
+        if self.pen.counts and L == 1:  # a plain step: no drafts on any path
+            counts = self.counts[:, None, :]
+        elif self.pen.counts:
+            rows = np.broadcast_to(np.arange(B)[:, None, None], path.shape)
+            nodes = np.broadcast_to(np.arange(N)[None, :, None], path.shape)
+            extra = mx.zeros((B, N, self.vocab), dtype=mx.float32).at[
+                mx.array(rows), mx.array(nodes), mx.array(path)].add(mx.array(on_path, dtype=mx.float32))
+            counts = self.counts[:, None, :] + extra
+        if self.pen.recent:
+            recent = mx.array(self._windows(path, on_path, depth))
+        return penalize(logits, self.pen, counts, recent)
+
+    def _windows(self, path: np.ndarray, on_path: np.ndarray, depth: np.ndarray) -> np.ndarray:
+        """(B, N, K + L-1) each node's window ids: the row's last K tokens then the node's path,
+        where the K before the node's last are kept and every other entry repeats the node's last."""
+        K = self.pen.window
+        seq = np.concatenate([np.broadcast_to(self.recent[:, None, :], path.shape[:2] + (K,)), path], axis=-1)
+        position = np.arange(K + path.shape[-1])  # in seq; the node's last token is at K - 1 + depth
+        last = K - 1 + depth[..., None]
+        kept = (position > last - K) & (position <= last)
+        ends = np.take_along_axis(seq, last, axis=-1)
+        return np.where(kept, seq, ends).astype(np.int32)
+
+    def commit(self, new_tokens: Sequence[Sequence[int]]) -> None:
+        """Each row's tokens written this step (its next own token last)."""
+        rows = [b for b, tokens in enumerate(new_tokens) for _ in tokens]
+        flat = [t for tokens in new_tokens for t in tokens]
+        if flat:
+            self.counts = self.counts.at[mx.array(rows), mx.array(flat)].add(1.0)
+        K = self.pen.window
+        self.recent = np.stack([np.concatenate([self.recent[b], np.array(t, dtype=np.int32)])[-K:]
+                                for b, t in enumerate(new_tokens)])
+
+    def select_rows(self, keep: np.ndarray) -> None:
+        self.counts, self.recent = self.counts[mx.array(keep)], self.recent[keep]
+
+
+class NoPenalties:
+    """Every penalty off: the logits go through untouched and nothing is kept."""
+
+    def first(self, logits):
+        return logits
+
+    def nodes(self, logits, beams, packed):
+        return logits
+
+    def commit(self, new_tokens) -> None:
+        pass
+
+    def select_rows(self, keep) -> None:
+        pass
+
+
+def for_rows(params, prompts: Sequence[Sequence[int]], vocab: int):
+    pen = Penalties.of(params)
+    return NoPenalties() if pen is None else TreePenalties(pen, prompts, vocab)
