@@ -197,6 +197,9 @@ REDRAFTER = (
     _on_off("prompt_draft", R.DEFAULT_PROMPT_DRAFT, "draft the answer's first tokens from the prompt"),
     _on_off("eager_drafts", R.DEFAULT_EAGER_DRAFTS,
             "draft every depth in one graph, read in the step's one sync, instead of depth by depth"),
+    _on_off("sampled_drafts", R.DEFAULT_SAMPLED_DRAFTS,
+            "sampling: the head samples W chains, accepted by rejection sampling; off = its likeliest tree, "
+            "each node accepting where it equals the target's own sample"),
     _on_off("profile", False, "sync after each phase to report draft/verify/accept time (slower)"),
     Setting("sources", "list", R.DEFAULT_SOURCES, "the drafting sources asked for each row's drafts, in order: "
             "the first that offers a chain drafts the row, the head (last) the rest", expert=True,

@@ -163,7 +163,7 @@ def planner(width, drafts, context, table, margin, rows):
     host-side source (a lookup's chain) the others."""
     s = Settings(width=width, length=drafts + 1, cutoff=0.1, use_trust=True, cost_table=table, cost_aware=True,
                  margin=margin, eager=True, stepwise=False, runners_up=0, runner_depths=0, deepen_reach=0.0,
-                 compete=False, beside_host=False, prompt_draft=False, profile=False)
+                 compete=False, beside_host=False, prompt_draft=False, sampled_drafts=True, profile=False)
     fallback = int(rows > 1)
     loop = SimpleNamespace(s=s, source=np.arange(rows), fallback=fallback,
                            trusts=[DraftTrust(rows) for _ in range(fallback + 1)], head=SimpleNamespace(runners_up=0),

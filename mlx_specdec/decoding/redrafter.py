@@ -11,7 +11,11 @@ token x, and with the hidden state h that produced x (per batch row; `redrafter_
             tokens (drafting/runners_up.py); none kept = a plain step   [host]
     pack    dedup shared prefixes -> N distinct tokens, their depths and tree mask   [host, tiny]
     verify  one forward of the N tokens at positions length + depth under the tree mask
-    accept  the longest run the target agrees with (greedy) or rejection sampling -> n, next token
+    accept  the longest run the target agrees with -> n, next token: greedy, the target's argmax at
+            every packed node; sampling, the target's own sample at every packed node (the tree
+            is the greedy one, fixed before the draws: every emitted token is drawn from the
+            target given the emitted prefix, so the output is exactly the target's), or, with
+            `sampled_drafts`, rejection sampling over chains the head sampled
     draft   the next step's drafts: per row, the first host-side source that offers a chain
             after the next token (prompt lookup, drafting/lookup.py), else the head's, built
             lazily from the accepted path's hidden state (drafting/first_offer.py)
@@ -57,6 +61,7 @@ DEFAULT_HEAD_BESIDE_LOOKUP = True  # ... and the head's first draft beside a loo
 DEFAULT_DEEPEN_REACH = 0.25  # draft a chain deeper only while it is at least this likely to be accepted whole
 DEFAULT_PROMPT_DRAFT = False  # draft from the prompt: the first forward verifies drafts too
 DEFAULT_VERIFY_COST = True  # verify the depth worth its cost at this context ("margin": the answer's rate)
+DEFAULT_SAMPLED_DRAFTS = False  # sampling: the head samples its chains (rejection sampling), not its likeliest tree
 
 
 class NoDrafter(UserError):
@@ -71,7 +76,8 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     vocab = int(ctx.lm.model.args.vocab_size)
     built = SourceSettings(vocab=vocab, drafts=lookup, head=ctx.resources["drafter"],
                            embed=ctx.lm.model.model.embed_tokens, width=s.width, length=s.length,
-                           temperature=0.0 if ctx.params.greedy else ctx.params.temperature, stepwise=s.stepwise,
+                           temperature=0.0 if ctx.params.greedy or not s.sampled_drafts else ctx.params.temperature,
+                           stepwise=s.stepwise,
                            runners_up=s.runners_up, runner_depths=s.runner_depths)
     sources = {name: SOURCES[name].build(built) for name in names}
     for name in names[:-1]:
@@ -125,5 +131,6 @@ def settings(ctx: DecodeContext):
         compete=bool(options.get("runners_compete", DEFAULT_RUNNERS_COMPETE)) and not margin,
         beside_host=bool(options.get("head_beside_lookup", DEFAULT_HEAD_BESIDE_LOOKUP)) and len(names) > 1,
         prompt_draft=bool(options.get("prompt_draft", DEFAULT_PROMPT_DRAFT)),
+        sampled_drafts=bool(options.get("sampled_drafts", DEFAULT_SAMPLED_DRAFTS)) and not ctx.params.greedy,
         profile=bool(options.get("profile", False)))
     return s, names, lookup

@@ -14,7 +14,7 @@ from typing import Dict, Iterator, List, NamedTuple, Optional
 import mlx.core as mx
 import numpy as np
 
-from .. import masks
+from .. import masks, penalties
 from ..acceptance import Accepted, greedy_accept_targets, sampling_accept, target_probs
 from ..drafting import Proposal, Proposer, select_rows
 from ..drafting.base import read_host as _read
@@ -46,6 +46,7 @@ class Settings:
     compete: bool  # chain drafts and runners-up compete for the verify's tokens
     beside_host: bool  # the head's first draft offered beside a host-side source's chain
     prompt_draft: bool  # the first forward verifies drafts made from the prompt
+    sampled_drafts: bool  # sampling: the head samples its chains and rejection sampling accepts them
     profile: bool  # a deliberate sync per phase, to time it
 
 
@@ -87,6 +88,7 @@ class RedrafterLoop:
         *host_sources, self.head = sources.values()
         self.model, self.params, self.stats = ctx.lm.model, ctx.params, ctx.stats
         self.first_offer = FirstOffer(host_sources, vocab) if host_sources else None
+        self.penalties = penalties.for_rows(ctx.params, ctx.prompts or [ctx.prompt], vocab)  # each node by its path
         self.fallback = len(host_sources)  # the head's index in `source`
         self.source_steps = np.zeros(len(sources), dtype=np.int64)  # row-steps each source drafted
         self.meter = RateMeter(s.cost_table) if s.margin else None
@@ -121,8 +123,9 @@ class RedrafterLoop:
                           mask=masks.ragged_tree_mask(self.valid, plain, 1))
             self.valid = np.concatenate([self.valid, np.ones((len(self.rows), 1), dtype=bool)], axis=1)
             self.lengths += 1
-            token, hidden = self.own_token(out.logits[:, -1]), out.hidden[:, -1]
+            token, hidden = self.own_token(self.penalties.first(out.logits[:, -1])), out.hidden[:, -1]
             own = _read(token)[0]  # host sync: the first tokens alone, yielded before any drafting
+            self.penalties.commit([[int(t)] for t in own])
             self.stats.forward_passes += 1
             for b in self.rows:
                 yield Step([int(own[b])], thread_id=b)
@@ -178,8 +181,8 @@ class RedrafterLoop:
                               self.source))
         self.drafts = select_rows(self.drafts, keep)
         self.head.select_rows(keep)
-        for trust in self.trusts:
-            trust.select_rows(keep)
+        for part in (*self.trusts, self.penalties):
+            part.select_rows(keep)
         if self.first_offer is not None:
             self.first_offer.select_rows(keep)
 
@@ -197,7 +200,7 @@ class RedrafterLoop:
             step_length, planned = self.runners.plan(self.beams, judged, step_length, head_rows,
                                                      int(self.lengths.max()))
         elif s.cost_aware:  # sampling: from what is fixed before the draws (verify_cost.py, "Sampling")
-            breadth = None if self.params.greedy else np.where(head_rows, self.beams.shape[1], 1)
+            breadth = np.where(head_rows, self.beams.shape[1], 1) if s.sampled_drafts else None
             rate = self.meter.rate if self.meter is not None else None
             step_length = worth_verifying(judged, self.owner, step_length, int(self.lengths.max()), rate=rate,
                                           table=s.cost_table, breadth=breadth)
@@ -238,13 +241,16 @@ class RedrafterLoop:
         return Tree(beams, trees, mx.array(tokens), positions, mask, index, drafts, extra, runner_depth)
 
     def accept(self, tree: Tree, step_length: int, out):
-        """The longest run of each row's drafts the target agrees with (greedy), or rejection
-        sampling; and the hidden state after the last accepted token (the head drafts from it)."""
+        """The longest run of each row's drafts the target agrees with (the target's own token at
+        each node: its argmax, or its sample), or rejection sampling over sampled chains; and the
+        hidden state after the last accepted token (the head drafts from it)."""
         beams = mx.array(tree.beams)
         B, W, L = beams.shape
-        index, logits = tree.index, out.logits  # logits (B, N, V) at the packed tree's tokens
-        if self.params.greedy:  # the argmax once per packed token (a runner-up's beam repeats its chain's prefix)
-            targets = mx.take_along_axis(mx.argmax(logits, axis=-1), index, axis=1)  # (B, W*L)
+        index, logits = tree.index, self.penalties.nodes(out.logits, tree.beams, tree.packed)  # (B, N, V)
+        if not self.s.sampled_drafts:
+            # The target's own token once per packed node, never per beam: a runner-up's beam
+            # repeats its chain's prefix, and its nodes must see the same draws.
+            targets = mx.take_along_axis(self.own_token(logits), index, axis=1)  # (B, W*L)
             result = greedy_accept_targets(beams, targets.reshape(B, W, L))
         else:
             beam_logits = mx.take_along_axis(logits, index[..., None], axis=1).reshape(B, W, L, -1)  # unpacked
@@ -319,6 +325,7 @@ class RedrafterLoop:
                 self.per_position[: accepted[b]] += 1
             new_tokens.append([int(t) for t in tree.beams[b, best[b], 1: accepted[b] + 1]] + [int(token[b])])
         self.emitted += accepted + 1
+        self.penalties.commit(new_tokens)
         self.tally["runners_up"] = self.runners.verified
         self.report()
         self.drafts, self.beams, self.owner, self.confidence, self.source = (
@@ -362,7 +369,7 @@ class RedrafterLoop:
         by_source = np.stack([trust.calibrated(confidence) for trust in self.trusts])  # (S, B, W, L-1)
         return np.take_along_axis(by_source, self.source[None, :, None, None], axis=0)[0]
 
-    def own_token(self, logits: mx.array) -> mx.array:  # (B, V) -> (B,) the target's own choice
+    def own_token(self, logits: mx.array) -> mx.array:  # (..., V) -> (...) the target's own choice
         if self.params.greedy:
             return mx.argmax(logits, axis=-1)
         return self.ctx.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))  # as `ar` draws
