@@ -50,6 +50,39 @@ def sampling_logits(logprobs: mx.array, temperature: float, top_p: float = 1.0) 
     return logprobs * (1.0 / temperature)
 
 
+NUCLEUS_TOP = 1024  # `top_nucleus` looks for the nucleus among this many likeliest tokens
+
+
+def top_nucleus(logprobs: mx.array, top_p: float, k: Optional[int] = None):
+    """`sampling_logits`' nucleus cut (mlx-lm's `apply_top_p`) from the k likeliest tokens alone,
+    without sorting the vocabulary: (..., V) -> (cut log-probs, valid (...) bool). Where the k
+    hold at least top_p of the mass (valid), every token the full rule keeps is among them and
+    the cut is the full rule's (the same threshold; the total mass summed in another order, so
+    a tie with top_p is settled to float rounding); elsewhere the caller uses the full rule."""
+    k = NUCLEUS_TOP if k is None else k
+    if not 0.0 < top_p < 1.0 or k >= logprobs.shape[-1]:
+        return sampling_logits(logprobs, 1.0, top_p), mx.ones(logprobs.shape[:-1], dtype=mx.bool_)
+    top = mx.sort(mx.topk(logprobs, k, axis=-1), axis=-1)  # (..., k) ascending
+    probs = mx.exp(top.astype(mx.float32))
+    above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)  # the mass above each, as the full rule's
+    total = mx.exp(logprobs.astype(mx.float32)).sum(axis=-1, keepdims=True)
+    dropped = (above >= top_p * total).sum(axis=-1, keepdims=True)  # within the k
+    threshold = mx.take_along_axis(top, dropped, axis=-1)
+    valid = (probs.sum(axis=-1) >= top_p * total[..., 0])  # the k hold the nucleus
+    return mx.where(logprobs < threshold, -float("inf"), logprobs), valid
+
+
+def sample_top_nucleus(logprobs: mx.array, temperature: float, top_p: float, full) -> mx.array:
+    """A draw from `sampling_logits` with the nucleus found by `top_nucleus`: one sync reads
+    whether the k likeliest held it everywhere; where not (rare: a very flat distribution),
+    full(logprobs) draws by the full sort instead. The draw is discarded or kept on a property
+    of the logits alone, never of the draw, so the result is a draw from the same distribution."""
+    cut, valid = top_nucleus(logprobs, top_p)
+    tokens = mx.random.categorical(cut * (1.0 / temperature))
+    mx.eval(tokens, valid)  # deliberate sync: valid decides the rule
+    return tokens if bool(valid.all()) else full(logprobs)
+
+
 def target_probs(logits: mx.array, temperature: float, top_p: float = 1.0) -> mx.array:
     """The distribution plain sampling draws from (`sampling_logits`), as probabilities (float32)."""
     logits = logits.astype(mx.float32)

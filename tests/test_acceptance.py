@@ -153,3 +153,26 @@ def test_sampling_accept_takes_drafts_the_target_agrees_with():
     dist = mx.array([[[0.1, 0.2, 0.3, 0.4]] * 3])
     r = sampling_accept(beams, dist, dist[:, :2])
     assert r.num_accepted.item() == 2
+
+
+def test_the_nucleus_from_the_likeliest_tokens_is_the_full_sort_s():
+    """`top_nucleus` against mlx-lm's `apply_top_p` on sharp and flat rows: where it says valid
+    the cut is the same, and it says invalid only where the k likeliest miss top_p of the mass."""
+    from mlx_lm.sample_utils import apply_top_p
+
+    from mlx_specdec.acceptance import top_nucleus
+
+    rng = np.random.default_rng(0)
+    V, k = 5000, 256
+    scales = np.repeat([6.0, 3.0, 1.0, 0.3, 0.05], 40)[:, None]  # sharp rows first, nearly uniform last
+    logits = mx.array((rng.standard_normal((len(scales), V)) * scales).astype(np.float32))
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    for top_p in (0.5, 0.9, 0.95):
+        fast, valid = top_nucleus(logprobs, top_p, k)
+        full = apply_top_p(logprobs, top_p)
+        valid = np.array(valid)
+        same = np.array((mx.isinf(fast) == mx.isinf(full)).all(axis=-1))
+        assert same[valid].all() and valid[:40].all()
+        mass = np.sort(np.exp(np.array(logprobs)), axis=-1)[:, -k:].sum(axis=-1)
+        assert (valid == (mass >= top_p - 1e-6)).all()
+        assert not valid[-40:].all()  # nearly uniform rows: the nucleus lies past the k

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_specdec.decoding import GenerationParams
-from mlx_specdec.drafting.sources import FALLBACK, SOURCES, SourceSettings, source_names
+from mlx_specdec.drafting.sources import FALLBACKS, SOURCES, SourceSettings, source_names
 from mlx_specdec.errors import UserError
 
 from conftest import make_tiny_lm
@@ -17,13 +17,14 @@ from test_redrafter_lookup import REPEATING
 
 def test_every_registered_source_builds_follows_the_protocol_and_says_what_it_is():
     lm = make_tiny_lm()
-    built = SourceSettings(vocab=97, drafts=3, head=random_head(lm), embed=lm.model.model.embed_tokens, length=4)
-    assert list(SOURCES)[-1] == FALLBACK
+    built = SourceSettings(vocab=97, drafts=3, head=random_head(lm), embed=lm.model.model.embed_tokens, length=4,
+                           draft_model=make_tiny_lm(seed=2))
+    assert set(FALLBACKS) <= set(SOURCES)
     for name, entry in SOURCES.items():
         assert entry.help and "\n" not in entry.help, name
         source = entry.build(built)
         assert all(hasattr(source, member) for member in PROTOCOL), name
-        assert source.host_side != (name == FALLBACK), name  # the head drafts on the device, the rest before it
+        assert source.host_side != (name in FALLBACKS), name  # the head (or a draft model) on the device, last
         source.begin([[5, 6, 7, 5, 6]])
         proposal = source.propose(mx.array([7]), mx.zeros((1, 64)) if source.needs_hidden else None)
         assert proposal.confidence is not None, name

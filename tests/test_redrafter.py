@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from mlx_specdec.decoding import GenerationParams
-from mlx_specdec.decoding.redrafter import NoDrafter
 from mlx_specdec.redrafter_head.model import DrafterConfig, DrafterHead
 from mlx_specdec.engine import Engine
+from mlx_specdec.errors import UserError
 
 from conftest import make_tiny_lm
 
@@ -161,10 +161,18 @@ def test_seeded_sampling_is_reproducible():
     assert a == b and len(a) == 25
 
 
-def test_redrafter_without_a_head_is_a_clear_error():
-    engine = Engine(make_tiny_lm(), drafter=None)
-    with pytest.raises(NoDrafter, match="redrafter needs a draft head"):
-        run(engine, PROMPTS[0], "redrafter")
+def test_redrafter_without_a_head_drafts_by_lookup_and_writes_ar_s_answer():
+    """No head: prompt lookup drafts where the text repeats, the other steps are plain, and the
+    answer is `ar`'s, token for token; the stats say which source drafted."""
+    lm = make_tiny_lm(seed=4, eos_id=96)  # its answer to PROMPTS[1] falls into a loop: lookup drafts it
+    engine = Engine(lm, drafter=None)
+    prompt = PROMPTS[1]
+    want, _ = run(engine, prompt, "ar", max_tokens=40)
+    got, stats = run(engine, prompt, "redrafter", max_tokens=40)
+    assert got == want
+    assert set(stats.extra["source_steps"]) == {"lookup", "none"}
+    assert stats.extra["source_steps"]["lookup"] > 0 and stats.extra["lookup_accepted_per_step"] > 0
+    assert sum(stats.extra["source_steps"].values()) == stats.extra["steps"]
 
 
 def run_batch(engine, prompts, **params):
@@ -305,8 +313,8 @@ def test_drafter_none_from_the_command_line_means_no_head(tmp_path):
 
     engine = Engine.load(str(save_tiny_model_dir(tmp_path / "tiny")), drafter="none")
     assert engine.drafter is None
-    with pytest.raises(NoDrafter, match="redrafter needs a draft head"):
-        run(engine, PROMPTS[0], "redrafter")
+    _, stats = run(engine, PROMPTS[0], "redrafter", max_tokens=8)
+    assert "head" not in stats.extra["source_steps"]
 
 
 def _second_token_after_a_cut(confidence_of, trials=4000, cutoff=0.2):
@@ -375,3 +383,19 @@ def test_a_confidence_temperature_changes_the_confidences_not_the_beams(width):
     want = mx.softmax(logits, axis=-1)[mx.arange(2), sharp.full_to_draft[drafts.beams[:, 0, 1]]]
     np.testing.assert_allclose(np.array(drafts.confidence[:, 0, 0]), np.array(want), rtol=1e-5)
     assert (np.array(drafts.confidence[:, 0, 0]) > np.array(base.confidence[:, 0, 0])).all()  # sharper
+
+
+def test_redrafter_with_a_draft_model_in_the_head_s_place_writes_ar_s_answer():
+    """No head, a same-tokenizer draft model (here the target itself, so it drafts what the target
+    writes): its chains are verified as the head's are, greedy and sampled with the same seed."""
+    lm = make_tiny_lm(seed=4, eos_id=96)
+    engine = Engine(lm, drafter=None, draft_model=make_tiny_lm(seed=4, eos_id=96))
+    want, _ = run(engine, PROMPTS[0], "ar", max_tokens=30)
+    got, stats = run(engine, PROMPTS[0], "redrafter", max_tokens=30)
+    assert got == want
+    assert stats.extra["source_steps"]["model"] > 0 and stats.tokens_per_forward > 2.0
+    with pytest.raises(UserError, match="one request at a time"):
+        list(engine.generate_ids_batch([PROMPTS[0], PROMPTS[1]], "redrafter", GenerationParams(max_tokens=4)))
+    plain = Engine(lm, drafter=None)
+    with pytest.raises(UserError, match="needs a draft model"):
+        run(plain, PROMPTS[0], "redrafter", options={"sources": "lookup,model"})

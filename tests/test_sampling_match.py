@@ -20,6 +20,7 @@ from mlx_specdec.acceptance import greedy_accept_targets, target_probs
 from mlx_specdec.decoding.base import GenerationParams, make_sampler
 from mlx_specdec.decoding.redrafter_step import RedrafterLoop, Tree
 from mlx_specdec.drafting.tree import dedup_prefix, pack_beams
+from mlx_specdec.penalties import NoPenalties
 
 V, ROWS, POSITIONS = 4, 200_000, 3
 OWN = 0
@@ -57,7 +58,7 @@ def emitted(temperature, top_p, per_beam=False, seed=0):
             node_logits[tree.index[w, j]] = logits(tuple(BEAMS[w, 1: j + 1]))
     B, N = ROWS, len(tree.tokens)
     params = GenerationParams(temperature=temperature, top_p=top_p)
-    loop = SimpleNamespace(s=SimpleNamespace(sampled_drafts=False), params=params,
+    loop = SimpleNamespace(s=SimpleNamespace(sampled_drafts=False), params=params, penalties=NoPenalties(),
                            ctx=SimpleNamespace(sampler=make_sampler(params)))
     loop.own_token = lambda x: RedrafterLoop.own_token(loop, x)
     index = mx.array(np.broadcast_to(tree.index.reshape(1, -1), (B, tree.index.size)).copy())
@@ -108,9 +109,55 @@ def test_the_first_three_tokens_of_a_matched_step_are_the_target_s(temperature, 
     assert statistic < chi_square_threshold(df), (statistic, df)
 
 
+@pytest.mark.parametrize("temperature,top_p", [(0.7, 0.8), (1.0, 0.6)])
+def test_the_nucleus_from_the_likeliest_tokens_samples_the_target(temperature, top_p, monkeypatch):
+    """The nodes' nucleus found among the 2 likeliest of 4 tokens (`acceptance.top_nucleus`):
+    where those hold top-p of the mass and where they do not (the full sort then)."""
+    from mlx_specdec import acceptance
+
+    monkeypatch.setattr(acceptance, "NUCLEUS_TOP", 2)
+    statistic, df = chi_square(emitted(temperature, top_p), temperature, top_p)
+    assert statistic < chi_square_threshold(df), (statistic, df)
+
+
 def test_the_chi_square_sees_a_target_drawn_per_beam():
     """A wrong rule for contrast: beams sharing the node 0 -> 1 each draw its token, and the
     longest match favours it (two chances to match): the test must reject it."""
     rows = emitted(1.0, 1.0, per_beam=True)
     statistic, df = chi_square(rows, 1.0, 1.0)
     assert statistic > chi_square_threshold(df), (statistic, df)
+
+
+@pytest.mark.slow
+def test_the_default_model_s_sampled_answers_start_as_its_own_samples():
+    """End to end on the real model and head: 384 rows of one prompt in one redrafter batch at
+    T = 0.7, top-p 0.9. The token after the likeliest first token comes from the first
+    speculative step (the head drafted it, or lookup); its counts must fit the target's own
+    p(. | prompt, first token), by a chi-square test over its likeliest tokens and the rest."""
+    from mlx_specdec.decoding import GenerationParams as Params
+    from mlx_specdec.engine import Engine
+
+    engine = Engine.load("default")
+    prompt = engine.lm.encode_prompt("Give me one tip for sleeping well.")
+    params = Params(max_tokens=2, temperature=0.7, top_p=0.9, seed=3)
+    rows = {}
+    for event in engine.generate_ids_batch([prompt] * 384, "redrafter", params):
+        if event.kind == "token":
+            rows.setdefault(event.thread_id, []).extend(event.tokens)
+    firsts = [tokens[0] for tokens in rows.values()]
+    first = max(set(firsts), key=firsts.count)
+    seconds = [tokens[1] for tokens in rows.values() if tokens[0] == first and len(tokens) > 1]
+    assert len(seconds) >= 100, len(seconds)
+    logits = engine.lm.model(mx.array(prompt + [first])[None])[0, -1]  # `ar`'s one forward, no cache
+    p = np.array(target_probs(logits, 0.7, 0.9), dtype=np.float64)
+    p /= p.sum()
+    top = list(np.argsort(-p)[:4])
+    want = np.array([p[t] for t in top] + [1 - sum(p[t] for t in top)]) * len(seconds)
+    got = np.array([seconds.count(t) for t in top] + [sum(t not in top for t in seconds)])
+    assert all(p[t] > 0 for t in seconds), "a token outside the nucleus"
+    keep = want >= 5  # the chi-square's cells need expected counts of 5 or more
+    rest = (~keep).any()
+    want = np.append(want[keep], want[~keep].sum()) if rest else want
+    got = np.append(got[keep], got[~keep].sum()) if rest else got
+    statistic = float(((got - want) ** 2 / np.maximum(want, 1e-9)).sum())
+    assert statistic < chi_square_threshold(len(want) - 1), (statistic, got.tolist(), want.round(1).tolist())

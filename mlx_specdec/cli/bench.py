@@ -38,6 +38,7 @@ def add_parser(sub) -> None:
                    help="repeat the whole run R times; the sd over repeats needs R >= 2, else it is n/a "
                         "(default: 1)")
     p.add_argument("--temp", type=float, default=0.0, help="temperature (default: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold when sampling (default: 1.0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--format", default="md", help="md, json or csv (default: md)")
     p.add_argument("--output", "-o", default=None, help="write the report here (default: stdout)")
@@ -75,7 +76,7 @@ def cmd_bench(args) -> int:
     if costs is not None and costs.source.startswith("shipped"):
         print("note: redrafter judges its drafts by the verify costs shipped for a 2-core x86 VM; "
               "`mlx-specdec calibrate` (about a minute) measures this machine's", file=sys.stderr)
-    params = GenerationParams(max_tokens=args.max_tokens, temperature=args.temp, seed=args.seed)
+    params = GenerationParams(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed)
     return _report(args, run_bench(engine, prompts, configs, params, repeats=args.repeats))
 
 
@@ -91,7 +92,7 @@ def _bench_pipeline(args, methods) -> int:
         args.ranks = 2
     prompts = _prompts(args)
     engine = load_engine(args)
-    params = GenerationParams(max_tokens=args.max_tokens, temperature=args.temp, seed=args.seed)
+    params = GenerationParams(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed)
     return _report(args, run_pipeline_bench(args, engine, prompts, methods, params, repeats=args.repeats))
 
 

@@ -18,7 +18,8 @@ def add_parser(sub) -> None:
                                    "field `method`.")
     _add_model_args(p)
     p.add_argument("--drafter", default="auto", help=DRAFTER_HELP)
-    p.add_argument("--method", default="ar", help=f"the default method: {METHODS_HELP} (default: ar)")
+    p.add_argument("--method", default="auto", help=f"the default method: {METHODS_HELP}; auto = per request, "
+                   "the one measured (or predicted) fastest here (default: auto)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 opens it to the network)")
     p.add_argument("--port", type=int, default=8080, help="port (default: 8080)")

@@ -23,7 +23,10 @@ token x, and with the hidden state h that produced x (per batch row; `redrafter_
             lie first, as a chain's always do), drops the rest; each source's trust learns
 
 The sources are named in `sources` (default "lookup,head"; the registry is drafting/sources.py):
-the head comes last and drafts every row the others leave.
+the head comes last and drafts every row the others leave. A model with no draft head still
+speculates: the host-side sources draft, and a row none of them drafts takes a plain step
+(`drafting.base.NoHead`; the stats' `source_steps` call it "none"), or, given one, a small
+same-tokenizer draft model drafts its greedy chain in the head's place (the "model" source).
 
 Host syncs: with no host-side source, one a step, reading the acceptance and the next drafts
 together. With one, the acceptance is read first (a lookup needs the token on the host) and the
@@ -39,8 +42,10 @@ tokens leaves holes, hidden from later queries by a per-row `valid` mask. One ro
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterator
 
+from ..drafting.base import NoHead
 from ..drafting.sources import SOURCES, SourceSettings, source_names
 from ..errors import UserError
 from .base import DecodeContext, Step
@@ -64,22 +69,30 @@ DEFAULT_VERIFY_COST = True  # verify the depth worth its cost at this context ("
 DEFAULT_SAMPLED_DRAFTS = False  # sampling: the head samples its chains (rejection sampling), not its likeliest tree
 
 
-class NoDrafter(UserError):
-    pass
+NO_HEAD = "none"  # the fallback's name in the stats where the model has no draft head
 
 
 def redrafter(ctx: DecodeContext) -> Iterator[Step]:
-    if ctx.resources.get("drafter") is None:
-        raise NoDrafter(f"redrafter needs a draft head for {ctx.lm.name}: pass --drafter DIR "
-                        "(train one with `mlx-specdec train-drafter`)")
     s, names, lookup = settings(ctx)
+    head, draft_model = ctx.resources.get("drafter"), ctx.resources.get("draft_model")
+    if names[-1] == "head" and head is None and draft_model is not None:
+        names[-1] = "model"  # no head for this model: the draft model drafts in its place
+    if names[-1] == "model":
+        if draft_model is None:
+            raise UserError("redrafter: the 'model' source needs a draft model (--draft-model)")
+        if len(ctx.prompts) > 1:
+            raise UserError("redrafter with a draft model decodes one request at a time")
+    if names[-1] != "head" or head is None:  # no hidden-state head: no runners-up, no sampled chains
+        s = dataclasses.replace(s, sampled_drafts=False, runners_up=0, stepwise=False)
+    if names[-1] == "head" and head is None:  # nothing drafts on the device: the other rows step plainly
+        names[-1] = NO_HEAD
     vocab = int(ctx.lm.model.args.vocab_size)
-    built = SourceSettings(vocab=vocab, drafts=lookup, head=ctx.resources["drafter"],
+    built = SourceSettings(vocab=vocab, drafts=lookup, head=head,
                            embed=ctx.lm.model.model.embed_tokens, width=s.width, length=s.length,
                            temperature=0.0 if ctx.params.greedy or not s.sampled_drafts else ctx.params.temperature,
-                           stepwise=s.stepwise,
-                           runners_up=s.runners_up, runner_depths=s.runner_depths)
-    sources = {name: SOURCES[name].build(built) for name in names}
+                           stepwise=s.stepwise, runners_up=s.runners_up, runner_depths=s.runner_depths,
+                           draft_model=draft_model)
+    sources = {name: NoHead() if name == NO_HEAD else SOURCES[name].build(built) for name in names}
     for name in names[:-1]:
         if not sources[name].host_side:
             raise UserError(f"redrafter: {name!r} drafts on the device; only the head, last, may")

@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import masks, penalties
-from ..acceptance import Accepted, greedy_accept_targets, sampling_accept, target_probs
+from ..acceptance import Accepted, greedy_accept_targets, sample_top_nucleus, sampling_accept, target_probs
 from ..drafting import Proposal, Proposer, select_rows
 from ..drafting.base import read_host as _read
 from ..drafting.calibration import DraftTrust
@@ -137,8 +137,9 @@ class RedrafterLoop:
         self.runners = StepRunnersUp(self.head, self.trusts[-1].calibrated if s.use_trust else (lambda c: c),
                                      s.cutoff, s.cost_table if s.cost_aware else None, s.compete, s.beside_host)
         self.source = np.full(len(prompts), self.fallback)  # per prompt, as `keep` indexes them
+        self.head.begin(texts if from_prompt else prompts)  # the text before `own` (a draft model keeps it)
         if self.first_offer is not None:
-            self.first_offer.begin(texts if from_prompt else prompts)  # the text before `own`
+            self.first_offer.begin(texts if from_prompt else prompts)
         if self.rows:  # the first drafts, from the hidden state that produced the own tokens
             self.drafts = self.head.propose(token, hidden)
             if self.first_offer is None:  # host sync: the first drafts
@@ -268,18 +269,26 @@ class RedrafterLoop:
         in one sync. Host-side sources need the next own token on the host: the acceptance is
         read first (eager: with the head's drafts), the sources commit the step's text and offer
         their chains, and the head's drafts are read only where some row needs them."""
-        drafts = self.head.propose(result.next_token, hidden)  # the next step, still lazy
-        self.mark("draft_s", drafts.beams, drafts.owner)
-        if self.first_offer is None:
+        after_text = self.head.keeps_text  # a draft model drafts after the step's text, read first
+        drafts = None if after_text else self.head.propose(result.next_token, hidden)  # still lazy
+        self.mark("draft_s", *(drafts[:2] if drafts else ()))
+        if self.first_offer is None and not after_text:
             best, accepted, token, beams, owner, confidence = _read(
                 result.beam, result.num_accepted, result.next_token, drafts.beams, drafts.owner, drafts.confidence)
             source = np.full(len(best), self.fallback)
         else:
-            head_drafts = (drafts.beams, drafts.owner, drafts.confidence) if self.s.eager else ()
+            head_drafts = (drafts.beams, drafts.owner, drafts.confidence) if self.s.eager and drafts else ()
             best, accepted, token, *_ = _read(result.beam, result.num_accepted, result.next_token, *head_drafts)
             kept = [tree.beams[b, best[b], : accepted[b] + 1] for b in range(len(self.rows))]
-            self.first_offer.commit(kept, verified=step_length - 1)
-            drafts, beams, owner, confidence, source, _ = self.first_offer.draft(drafts, token)
+            if after_text:
+                self.head.commit(kept)
+                drafts = self.head.propose(mx.array(token), hidden)
+            if self.first_offer is None:
+                beams, owner, confidence = _read(drafts.beams, drafts.owner, drafts.confidence)
+                source = np.full(len(best), self.fallback)
+            else:
+                self.first_offer.commit(kept, verified=step_length - 1)
+                drafts, beams, owner, confidence, source, _ = self.first_offer.draft(drafts, token)
         self.mark("sync_s")
         return Read(best, accepted, token, drafts, beams, owner, confidence, source)
 
@@ -372,7 +381,10 @@ class RedrafterLoop:
     def own_token(self, logits: mx.array) -> mx.array:  # (..., V) -> (...) the target's own choice
         if self.params.greedy:
             return mx.argmax(logits, axis=-1)
-        return self.ctx.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))  # as `ar` draws
+        logprobs, p = logits - mx.logsumexp(logits, axis=-1, keepdims=True), self.params
+        if 0.0 < p.top_p < 1.0:  # a tree's nodes: the nucleus from the likeliest tokens, not a sort per node
+            return sample_top_nucleus(logprobs, p.temperature, p.top_p, self.ctx.sampler)
+        return self.ctx.sampler(logprobs)  # as `ar` draws
 
     def mark(self, name: str, *arrays) -> None:
         """Profile mode only: a deliberate extra sync per phase, to attribute time to it."""

@@ -85,6 +85,7 @@ class ProposerDefaults:
 
     needs_hidden = False
     host_side = False
+    keeps_text = False  # a device-side source that drafts after the committed text (a draft model)
 
     def begin(self, prompts: Sequence[Sequence[int]]) -> None:
         pass
@@ -123,6 +124,17 @@ class NoDrafts(HostSideDefaults):
     per forward)."""
 
     length, vocab = 1, 0
+
+
+class NoHead(ProposerDefaults):
+    """ReDrafter's fallback for a model with no draft head: it drafts nothing, lazily, so a row no
+    host-side source drafts takes a plain step (the step's one sync reads nothing extra)."""
+
+    width, length, runners_up, stepwise = 1, 1, 0, False
+
+    def propose(self, token: mx.array, hidden: Optional[mx.array] = None) -> Proposal:
+        beams = token.astype(mx.int32).reshape(-1, 1, 1)  # (B, 1, 1): the own token alone
+        return Proposal(beams, mx.zeros_like(beams), None, mx.zeros((beams.shape[0], 1, 0)))
 
 
 class RunningRate:

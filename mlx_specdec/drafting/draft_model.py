@@ -30,6 +30,8 @@ from .base import Proposal, ProposerDefaults
 
 class ModelProposer(ProposerDefaults):
     width = 1
+    keeps_text = True  # ReDrafter's loop commits each step's text before asking for drafts
+    runners_up, stepwise = 0, False  # as ReDrafter's fallback: its greedy chain, drafted whole
 
     def __init__(self, model, length: int, vocab: int, sink: int = 16, window: int = 240,
                  temperature: float = 0.0, top_p: float = 1.0, chunk: int = 64):

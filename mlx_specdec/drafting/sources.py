@@ -20,6 +20,7 @@ from .lookup import PromptLookup
 from .recent import RecentToken
 
 FALLBACK = "head"  # the source that drafts every row the others leave: always last
+FALLBACKS = (FALLBACK, "model")  # ... the head, or a small draft model in its place
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class SourceSettings:
     stepwise: bool = False  # the head drafts a greedy chain one depth at a time
     runners_up: int = 0  # ... offering its next choices beside the chain's drafts
     runner_depths: int = 1  # ... at this many of the chain's first drafts
+    draft_model: Any = None  # a small same-tokenizer model (model.loader.LoadedModel), `--draft-model`
 
 
 class Source(NamedTuple):
@@ -48,12 +50,19 @@ def _head(s: SourceSettings) -> Proposer:
                         runners_up=s.runners_up, runner_depths=s.runner_depths)
 
 
+def _model(s: SourceSettings) -> Proposer:
+    from .draft_model import ModelProposer
+
+    return ModelProposer(s.draft_model.model, s.length, s.vocab)
+
+
 SOURCES: Dict[str, Source] = {
     "lookup": Source(lambda s: PromptLookup(s.drafts, s.vocab),
                      "prompt lookup: what followed the latest earlier occurrence of the text's last 2-4 tokens"),
     "recent": Source(lambda s: RecentToken(s.drafts, s.vocab),
                      "what followed the newest earlier occurrence of the own token alone (a 1-gram lookup)"),
     FALLBACK: Source(_head, "the ReDrafter head on the target's hidden state (last: it drafts the rows left)"),
+    "model": Source(_model, "a small same-tokenizer draft model (--draft-model), its greedy chain, in the head's place"),
 }
 
 
@@ -63,6 +72,8 @@ def source_names(value: Union[str, Sequence[str]]) -> List[str]:
     unknown = [n for n in names if n not in SOURCES]
     if unknown:
         raise ValueError(f"unknown drafting source {unknown[0]!r}: choose from {', '.join(SOURCES)}")
-    if len(set(names)) != len(names) or not names or names[-1] != FALLBACK or FALLBACK in names[:-1]:
-        raise ValueError(f"the drafting sources are distinct names ending with {FALLBACK!r}, not {','.join(names)!r}")
+    if len(set(names)) != len(names) or not names or names[-1] not in FALLBACKS or \
+            any(n in FALLBACKS for n in names[:-1]):
+        raise ValueError(f"the drafting sources are distinct names ending with {' or '.join(map(repr, FALLBACKS))}, "
+                         f"not {','.join(names)!r}")
     return names

@@ -1,0 +1,76 @@
+"""`--method auto`: which method the chooser takes per request, from its prediction and from what
+it measured, and the engine's answers with it (the chosen method's, and they say so)."""
+
+import numpy as np
+import pytest
+
+from mlx_specdec.auto import MARGIN, MethodChooser, band_of
+from mlx_specdec.drafting.verify_cost import CostTable, shipped_table
+
+CHEAP = CostTable(np.array([100.0, 8000.0]), np.array([[1.0, 1.02, 1.04, 1.06, 1.08]] * 2), "cheap")
+DEAR = CostTable(np.array([100.0, 8000.0]), np.array([[1.0, 1.9, 2.8, 3.7, 4.6]] * 2), "dear")
+
+
+def measure(chooser, method, rate, times=3, greedy=False, prompt=200):
+    for _ in range(times):
+        chooser.record(method, prompt, greedy, rate, tokens=96)
+
+
+def test_without_a_head_or_for_a_request_redrafter_cannot_take_it_is_ar():
+    assert MethodChooser(CHEAP, has_head=False).choose(200, True).method == "ar"
+    choice = MethodChooser(CHEAP, has_head=True).choose(200, True, unsupported="no penalties")
+    assert choice == ("ar", "no penalties")
+
+
+def test_before_any_answer_the_verify_cost_table_predicts():
+    assert MethodChooser(CHEAP, True).choose(200, False).method == "redrafter"
+    dear = MethodChooser(DEAR, True)
+    assert dear.choose(200, False).method == "ar"
+    measure(dear, "ar", 20.0)
+    assert dear.choose(200, False).method == "ar"  # a clear predicted loss is never tried
+    unknown = MethodChooser(None, True)  # no table: plain decoding first, then one try
+    assert unknown.choose(200, True).method == "ar"
+    measure(unknown, "ar", 20.0, greedy=True)
+    assert unknown.choose(200, True).method == "redrafter"
+
+
+def test_once_both_are_measured_the_faster_wins_and_a_tie_is_ar_s():
+    chooser = MethodChooser(CHEAP, True)
+    measure(chooser, "redrafter", 19.0)
+    assert chooser.choose(200, False).method == "ar"  # measuring ar against it
+    measure(chooser, "ar", 15.0)
+    choice = chooser.choose(200, False)
+    assert choice.method == "redrafter" and "1.27x" in choice.why
+    measure(chooser, "ar", 19.0 / MARGIN * 1.001, times=7)  # within the margin: ar
+    assert chooser.choose(200, False).method == "ar"
+    assert chooser.choose(200, True).method == "redrafter"  # greedy is its own band, unmeasured
+    assert chooser.choose(5000, False).method == "redrafter"  # so is a long prompt
+
+
+def test_a_busy_server_and_short_answers():
+    chooser = MethodChooser(CHEAP, True)
+    assert chooser.choose(200, True, busy=True).method == "ar"
+    chooser.record("redrafter", 200, True, 50.0, tokens=3)  # too short to say anything
+    assert not chooser.rates[("redrafter", True, band_of(200))]
+
+
+def test_the_shipped_cpu_table_predicts_speculation_pays_on_a_short_prompt():
+    chooser = MethodChooser(shipped_table(), True)
+    assert chooser.predicted_speedup(200, True) > MARGIN
+
+
+@pytest.mark.slow
+def test_auto_answers_as_the_method_it_chose_and_says_which():
+    from mlx_specdec.decoding import GenerationParams
+    from mlx_specdec.engine import Engine
+
+    engine = Engine.load("default")
+    params = GenerationParams(max_tokens=24, temperature=0.0)
+    plain = [e for e in engine.generate("Name three colours.", "ar", params)]
+    for _ in range(3):
+        events = list(engine.generate("Name three colours.", "auto", params))
+        stats = events[-1].stats
+        assert stats.extra["auto"]["chose"] == stats.method in ("ar", "redrafter")
+        assert stats.extra["auto"]["why"]
+        assert sum((e.tokens for e in events), []) == sum((e.tokens for e in plain), [])
+    assert engine.chooser.rates  # every answer of ar and redrafter was measured
