@@ -8,9 +8,11 @@ with `ar` (the chat template, `--max-tokens` tokens) under each setting: the old
 (greedy) and candidates, the sampled ones once per seed. Per setting it prints
 
     repeated lines   non-empty lines that repeat an earlier line of the same answer, of all
-                     non-empty lines (and the answers with at least one)
+                     non-empty lines (and the answers with at least one): exactly, and with the
+                     list marker set aside ("7. Portable stove: ..." repeats "3. Portable stove: ...")
     repeated heads   bold heads (`**...**`) that repeat an earlier head of the same answer, of
-                     all bold heads (and the answers with at least one)
+                     all bold heads (and the answers with at least one); and list items' heads (a
+                     list item's text before its first colon, bold or not) likewise
     distinct 3-grams distinct word 3-grams of all word 3-grams (low: the answer goes round)
     EOS              answers that ended on their own before --max-tokens
     tokens           mean tokens per answer
@@ -64,6 +66,7 @@ SETTINGS = {
 }
 
 HEAD = re.compile(r"\*\*(.+?)\*\*")
+MARKER = re.compile(r"^(\d+[.)]|[-*•])\s+")  # a list item's number or bullet
 
 
 def loops(text: str) -> dict:
@@ -72,7 +75,12 @@ def loops(text: str) -> dict:
     heads = [h.strip().rstrip(":").strip().lower() for h in HEAD.findall(text)]
     words = text.split()
     grams = [tuple(words[i: i + 3]) for i in range(len(words) - 2)]
-    return dict(lines=len(lines), repeated_lines=len(lines) - len(set(lines)), heads=len(heads),
+    items = [MARKER.sub("", line) for line in lines]
+    item_heads = [item.split(":")[0].strip("* ").lower() for line, item in zip(lines, items)
+                  if item != line and ":" in item[:80]]
+    return dict(lines=len(lines), repeated_lines=len(lines) - len(set(lines)),
+                repeated_items=len(items) - len(set(items)), item_heads=len(item_heads),
+                repeated_item_heads=len(item_heads) - len(set(item_heads)), heads=len(heads),
                 repeated_heads=len(heads) - len(set(heads)), grams=len(grams), distinct_grams=len(set(grams)))
 
 
@@ -87,12 +95,17 @@ def answer(engine: Engine, prompt: str, params: GenerationParams) -> tuple:
 
 
 def summary(rows: list) -> dict:
-    total = {k: sum(r[k] for r in rows) for k in ("lines", "repeated_lines", "heads", "repeated_heads",
-                                                    "grams", "distinct_grams", "tokens")}
+    total = {k: sum(r[k] for r in rows) for k in ("lines", "repeated_lines", "repeated_items", "item_heads",
+                                                    "repeated_item_heads", "heads", "repeated_heads", "grams",
+                                                    "distinct_grams", "tokens")}
     n = len(rows)
     return dict(answers=n,
                 repeated_lines=total["repeated_lines"] / max(1, total["lines"]),
                 answers_repeating_lines=sum(r["repeated_lines"] > 0 for r in rows) / n,
+                repeated_items=total["repeated_items"] / max(1, total["lines"]),
+                answers_repeating_items=sum(r["repeated_items"] > 0 for r in rows) / n,
+                repeated_item_heads=total["repeated_item_heads"] / max(1, total["item_heads"]),
+                answers_repeating_item_heads=sum(r["repeated_item_heads"] > 0 for r in rows) / n,
                 repeated_heads=total["repeated_heads"] / max(1, total["heads"]),
                 answers_repeating_heads=sum(r["repeated_heads"] > 0 for r in rows) / n,
                 heads=total["heads"] / n,
@@ -101,11 +114,14 @@ def summary(rows: list) -> dict:
 
 
 def table(results: dict) -> str:
-    lines = ["| setting | answers | repeated lines | answers with one | repeated heads (per answer) | "
-             "answers with one | distinct 3-grams | EOS | tokens |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| setting | answers | repeated lines (answers with one) | ... list marker aside | "
+             "repeated bold heads (heads per answer) | answers with one | repeated item heads (answers with one) | "
+             "distinct 3-grams | EOS | tokens |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in results.items():
-        lines.append(f"| {name} | {s['answers']} | {s['repeated_lines']:.1%} | {s['answers_repeating_lines']:.0%} | "
+        lines.append(f"| {name} | {s['answers']} | {s['repeated_lines']:.1%} ({s['answers_repeating_lines']:.0%}) | "
+                     f"{s['repeated_items']:.1%} ({s['answers_repeating_items']:.0%}) | "
                      f"{s['repeated_heads']:.1%} ({s['heads']:.1f}) | {s['answers_repeating_heads']:.0%} | "
+                     f"{s['repeated_item_heads']:.1%} ({s['answers_repeating_item_heads']:.0%}) | "
                      f"{s['distinct_grams']:.1%} | {s['eos']:.0%} | {s['tokens']:.0f} |")
     return "\n".join(lines)
 
@@ -124,8 +140,8 @@ def main() -> int:
         by_setting: dict = {}
         for path in args.summarize.split(","):
             for line in Path(path).read_text().splitlines():
-                row = json.loads(line)
-                by_setting.setdefault(row["setting"], []).append(row)
+                row = json.loads(line)  # the figures made again from the text, as this version counts
+                by_setting.setdefault(row["setting"], []).append({**row, **loops(row["text"])})
         print(table({name: summary(rows) for name, rows in by_setting.items()}))
         return 0
     seeds = [int(s) for s in args.seeds.split(",")]

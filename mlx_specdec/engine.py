@@ -18,6 +18,7 @@ from .decoding.batch import stream_batch
 from .settings import METHODS
 from .errors import UserError
 from .model.loader import LoadedModel, load_model
+from .penalties import check_method as check_penalties
 
 
 class UnknownMethod(UserError):
@@ -30,9 +31,12 @@ BATCH_METHODS = {m.name for m in METHODS.values() if m.batches}
 JOIN_METHODS = {m.name for m in METHODS.values() if m.joins}
 
 
+AUTO = "auto"  # per request, the method predicted fastest here (auto.py)
+
+
 def check_method(method: str) -> None:
-    if method not in STRATEGIES:
-        raise UnknownMethod(f"unknown method {method!r} (choose from {', '.join(STRATEGIES)})")
+    if method not in STRATEGIES and method != AUTO:
+        raise UnknownMethod(f"unknown method {method!r} (choose from {', '.join(STRATEGIES)}, {AUTO})")
 
 
 #: where the project's own trained artifacts (drafter heads, adapters) live, next to their cards
@@ -169,21 +173,62 @@ class Engine:
         if method == "redrafter":
             resources["drafter"] = self.drafter_for(params.options.get("drafter") if params else None)
             resources["verify_costs"] = self.verify_costs
+            resources["draft_model"] = self.draft_model
         if method == "triforce":  # for --bottom redrafter / model
             resources.update(drafter=self.drafter, draft_model=self.draft_model)
         return resources
 
     @property
+    def sampling_defaults(self):
+        """(the sampling fields a request leaves out, where they come from): the model's
+        generation_config.json, else the measured default (sampling_defaults.py)."""
+        from .sampling_defaults import model_defaults
+
+        return model_defaults(self.lm.path)
+
+    @property
     def methods(self) -> List[str]:
-        return list(STRATEGIES)
+        return list(STRATEGIES) + [AUTO]
+
+    @property
+    def chooser(self):
+        """`--method auto`'s chooser: what this engine measured, per band (auto.py)."""
+        if "chooser" not in self._resources:
+            from .auto import MethodChooser
+
+            self._resources["chooser"] = MethodChooser(self.verify_costs, self.drafter is not None)
+        return self._resources["chooser"]
+
+    def choose_method(self, prompt_ids: List[int], params: Optional[GenerationParams] = None,
+                      busy: bool = False):
+        """`auto` for this request -> auto.Choice (the method and why)."""
+        params = params or GenerationParams()
+        try:
+            check_penalties("redrafter", params)
+            unsupported = None
+        except UserError as error:
+            unsupported = str(error)
+        return self.chooser.choose(len(prompt_ids), params.greedy, busy=busy, unsupported=unsupported)
+
+    def _measured(self, events: Iterator[Event], method: str, prompt_tokens: int, params: GenerationParams,
+                  choice=None) -> Iterator[Event]:
+        """Pass the events on; the finished answer's decode rate goes to the chooser, and an
+        `auto` answer's stats say what was chosen and why."""
+        try:
+            for event in events:
+                if event.stats is not None and event.kind == "done":
+                    if choice is not None:
+                        event.stats.extra["auto"] = choice.as_dict()
+                    self.chooser.record(method, prompt_tokens, params.greedy, event.stats.decode_tps,
+                                        event.stats.generated_tokens)
+                yield event
+        finally:
+            events.close()  # stopped early: the strategy's `finally` runs now (its cache rolls back)
 
     def method_support(self) -> Dict[str, Optional[str]]:
         """Per method: None where this model can run it, else why not (one line). Loads the
         artifacts a method needs (the head, the APAR adapter): call it on the thread that decodes."""
-        support: Dict[str, Optional[str]] = dict.fromkeys(STRATEGIES)
-        if self.drafter is None:
-            support["redrafter"] = (f"no ReDrafter head for {self.lm.name}: pass --drafter DIR or train one "
-                                    "with `mlx-specdec train-drafter`")
+        support: Dict[str, Optional[str]] = dict.fromkeys(self.methods)
         if self.apar_lm is None:
             support["apar"] = (f"{self.lm.name} has no [Fork]/[Child] control tokens and no APAR adapter "
                                "(`mlx-specdec train-apar` makes one)")
@@ -192,8 +237,17 @@ class Engine:
     def generate_ids(self, prompt_ids: List[int], method: str = "ar",
                      params: Optional[GenerationParams] = None) -> Iterator[Event]:
         check_method(method)
-        return stream_events(self.lm_for(method), list(prompt_ids), STRATEGIES[method],
-                             params or GenerationParams(), method, resources=self._resources_for(method, params))
+        params = params or GenerationParams()
+        choice = None
+        if method == AUTO:
+            choice = self.choose_method(prompt_ids, params)
+            method = choice.method
+        check_penalties(method, params)
+        events = stream_events(self.lm_for(method), list(prompt_ids), STRATEGIES[method], params, method,
+                               resources=self._resources_for(method, params))
+        if method not in ("ar", "redrafter"):
+            return events
+        return self._measured(events, method, len(prompt_ids), params, choice)
 
     def continuous_decoder(self, method: str = "ar"):
         """A batch that requests join at the next step and leave when they end (decoding/continuous.py)."""
@@ -212,6 +266,7 @@ class Engine:
         row's max_tokens and stop strings (the sampling settings are `params`'); cancelled(row):
         true once that row's request is abandoned (it leaves the batch at the next step)."""
         check_method(method)
+        check_penalties(method, params or GenerationParams())
         if method not in BATCH_METHODS:
             raise UserError(f"method {method!r} decodes one prompt at a time "
                             f"(batches: {', '.join(sorted(BATCH_METHODS))})")

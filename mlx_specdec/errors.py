@@ -26,12 +26,13 @@ class ContextOverflow(UserError):
 
 
 def run_guarded(func, args) -> int:
-    """Run a command: user errors -> one line + exit 1, Ctrl-C -> 130, closed pipe -> 0."""
+    """Run a command: user errors -> one line + exit 1 (a usage error, such as a setting the
+    method does not take: 2), Ctrl-C -> 130, closed pipe -> 0."""
     try:
         return func(args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return getattr(exc, "exit_status", 1)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

@@ -240,6 +240,7 @@ APAR = (
 
 METHODS: Dict[str, Method] = {m.name: m for m in (
     Method("ar", "plain decoding, one token a forward", joins=True),
+    Method("auto", "per request, ar or redrafter: the one measured (or, before that, predicted) faster here"),
     Method("mlx-lm", "mlx-lm's own generate loop (the peer baseline)"),
     Method("redrafter", "an RNN draft head and prompt lookup draft trees, verified in one forward",
            REDRAFTER, batches=True, needs=("drafter",)),

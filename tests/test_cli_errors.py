@@ -35,7 +35,7 @@ def isolated_home(tmp_path):
 
 
 def test_tiny_model_directory_generates(tiny_dir):
-    result = cli("generate", "-m", str(tiny_dir), "-p", "w5 w6 w7", "--raw", "--max-tokens", "4")
+    result = cli("generate", "-m", str(tiny_dir), "-p", "w5 w6 w7", "--raw", "--max-tokens", "4", "--temp", "0")
     assert result.returncode == 0, result.stderr
     assert len(result.stdout.split()) == 4
     assert "[ar] prompt 3 tok" in result.stderr and "decode" in result.stderr

@@ -63,7 +63,7 @@ def test_a_cuda_gpu_counts_as_a_gpu_not_as_the_cpu(request, monkeypatch):
 
 @pytest.mark.slow
 def test_the_4bit_default_model_writes_the_same_text_dequantized():
-    cli = [sys.executable, "-m", "mlx_specdec.cli", "generate", "-m", "default-4bit", "--max-tokens", "24",
+    cli = [sys.executable, "-m", "mlx_specdec.cli", "generate", "-m", "default-4bit", "--max-tokens", "24", "--temp", "0",
            "-p", "Name three colours of the rainbow."]
     fast = subprocess.run(cli + ["--dequantize", "on"], capture_output=True, text=True, timeout=300)
     slow = subprocess.run(cli + ["--dequantize", "off"], capture_output=True, text=True, timeout=300)

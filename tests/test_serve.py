@@ -67,7 +67,7 @@ def client(server, key=KEY):
 
 def generate(server, *extra):
     out = subprocess.run([sys.executable, "-m", "mlx_specdec.cli", "generate", "-m", server["model"], "-p", PROMPT,
-                          "--max-tokens", "12", *extra], capture_output=True, text=True, timeout=120)
+                          "--max-tokens", "12", "--temp", "0", *extra], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout.rstrip("\n")
 
@@ -80,7 +80,10 @@ def test_chat_answers_equal_generate_streaming_and_not(server):
     assert reply.choices[0].message.content == want
     assert reply.usage.completion_tokens == 12 and reply.usage.prompt_tokens > 0
     assert reply.choices[0].finish_reason == "length"
-    chunks = list(c.chat.completions.create(model="tiny", messages=messages, max_tokens=12, stream=True,
+    assert reply.model_extra["sampling"] == {"temperature": 0.0}  # the sampling in force
+    sampled = c.chat.completions.create(model="tiny", messages=messages, max_tokens=2, presence_penalty=0.5)
+    assert sampled.model_extra["sampling"]["presence_penalty"] == 0.5  # the rest: the model's defaults
+    chunks = list(c.chat.completions.create(model="tiny", temperature=0, messages=messages, max_tokens=12, stream=True,
                                             stream_options={"include_usage": True}))
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
     assert chunks[-1].usage.completion_tokens == 12
@@ -94,43 +97,55 @@ def test_chat_answers_equal_generate_streaming_and_not(server):
 def test_other_methods_by_the_method_field_write_the_same_answer(server, method, options):
     want = generate(server)
     reply = client(server).chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=12,
+        model="tiny", temperature=0, messages=[{"role": "user", "content": PROMPT}], max_tokens=12,
         extra_body={"method": method, **options})
     assert reply.choices[0].message.content == want
     assert reply.model_extra["speculation"]["method"] == method
 
 
+def test_the_default_method_auto_says_what_it_chose(server):
+    """`--method auto` (the default): the answer is the chosen method's (greedy: `ar`'s), and
+    `speculation` names the method that ran and why it was chosen."""
+    for _ in range(3):  # the first answers measure; later ones choose from what was measured
+        reply = client(server).chat.completions.create(model="tiny", temperature=0, max_tokens=12,
+                                                       messages=[{"role": "user", "content": PROMPT}])
+        assert reply.choices[0].message.content == generate(server)
+        speculation = reply.model_extra["speculation"]
+        assert speculation["auto"]["chose"] == speculation["method"] in ("ar", "redrafter")
+        assert speculation["auto"]["why"]
+
+
 def test_a_method_the_model_cannot_run_is_a_400_and_the_server_goes_on(server):
     with pytest.raises(openai.BadRequestError, match="apar needs a model with"):
-        client(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+        client(server).chat.completions.create(model="tiny", temperature=0, messages=[{"role": "user", "content": PROMPT}],
                                                max_tokens=4, extra_body={"method": "apar"})
-    assert client(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+    assert client(server).chat.completions.create(model="tiny", temperature=0, messages=[{"role": "user", "content": PROMPT}],
                                                   max_tokens=12).choices[0].message.content == generate(server)
 
 
 def test_completions_and_stop_strings(server):
     c = client(server)
-    raw = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=12)
+    raw = c.completions.create(model="tiny", temperature=0, prompt=PROMPT, max_tokens=12)
     assert raw.choices[0].text and raw.usage.prompt_tokens == len(PROMPT.split())
     messages = [{"role": "user", "content": PROMPT}]
-    text = c.chat.completions.create(model="tiny", messages=messages, max_tokens=12).choices[0].message.content
+    text = c.chat.completions.create(model="tiny", temperature=0, messages=messages, max_tokens=12).choices[0].message.content
     words = text.split()
     assert len(words) >= 3
     stop = " " + words[2]
-    cut = c.chat.completions.create(model="tiny", messages=messages, max_tokens=12, stop=stop)
+    cut = c.chat.completions.create(model="tiny", temperature=0, messages=messages, max_tokens=12, stop=stop)
     assert cut.choices[0].message.content == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
     # a stop string across two tokens ("5 w7" ends one word and begins the next): nothing of it leaks,
     # streamed or not
     spanning = words[1][-1:] + " " + words[2][:2]
     want = text[: text.index(spanning)]
-    cut = c.chat.completions.create(model="tiny", messages=messages, max_tokens=12, stop=[spanning])
+    cut = c.chat.completions.create(model="tiny", temperature=0, messages=messages, max_tokens=12, stop=[spanning])
     assert cut.choices[0].message.content == want
-    chunks = c.chat.completions.create(model="tiny", messages=messages, max_tokens=12, stop=[spanning], stream=True)
+    chunks = c.chat.completions.create(model="tiny", temperature=0, messages=messages, max_tokens=12, stop=[spanning], stream=True)
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
 
 
 def test_the_model_may_be_named_as_the_server_was_started(server):
-    reply = client(server).chat.completions.create(model=server["model"], messages=[{"role": "user", "content": PROMPT}],
+    reply = client(server).chat.completions.create(model=server["model"], temperature=0, messages=[{"role": "user", "content": PROMPT}],
                                                    max_tokens=3)
     assert reply.model == "tiny" and reply.choices[0].message.content
 
@@ -170,13 +185,13 @@ def test_bad_requests_get_openai_shaped_errors_and_the_server_keeps_serving(serv
     assert code == status
     error = reply["error"]
     assert words in error["message"] and set(error) == {"message", "type", "param", "code"}
-    assert client(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w4"}],
+    assert client(server).chat.completions.create(model="tiny", temperature=0, messages=[{"role": "user", "content": "w4"}],
                                                   max_tokens=2).choices[0].message.content
 
 
 def test_a_client_that_leaves_mid_stream_does_not_disturb_the_next_request(server):
     want = generate(server)
-    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 400, "stream": True}
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 400, "stream": True, "temperature": 0}
     host, port = server["base"].rsplit("//", 1)[1].split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=60)
     connection.request("POST", "/v1/chat/completions", body=json.dumps(body),
@@ -186,7 +201,7 @@ def test_a_client_that_leaves_mid_stream_does_not_disturb_the_next_request(serve
     while b'"content": "w' not in seen:  # the first tokens arrived: leave
         seen += response.read1(256)
     connection.sock.close()  # gone mid-stream, without reading the rest
-    reply = client(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+    reply = client(server).chat.completions.create(model="tiny", temperature=0, messages=[{"role": "user", "content": PROMPT}],
                                                    max_tokens=12)
     assert reply.choices[0].message.content == want
 
@@ -195,13 +210,13 @@ def test_concurrent_clients_each_get_their_own_complete_answer(server):
     """16 clients x 4 requests (bounded, localhost): every answer complete and its own."""
     prompts = [f"w{3 + i % 40} w{7 + i % 30} w{11 + i % 20}" for i in range(16)]
     c = client(server)
-    want = {p: c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}],
+    want = {p: c.chat.completions.create(model="tiny", temperature=0, messages=[{"role": "user", "content": p}],
                                          max_tokens=6).choices[0].message.content for p in set(prompts)}
 
     def ask(prompt):
         out = []
         for _ in range(4):
-            stream = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+            stream = c.chat.completions.create(model="tiny", temperature=0, messages=[{"role": "user", "content": prompt}],
                                                max_tokens=6, stream=True)
             out.append("".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices))
         return prompt, out
@@ -224,10 +239,10 @@ def test_concurrent_redrafter_requests_are_decoded_together_each_with_its_own_an
 
     def ask(i):
         if i < 0:  # the long request that keeps the generation thread busy while the others queue
-            return c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+            return c.chat.completions.create(model="tiny", temperature=0, messages=[{"role": "user", "content": PROMPT}],
                                              max_tokens=400)
         time.sleep(0.3)
-        return c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompts[i]}],
+        return c.chat.completions.create(model="tiny", temperature=0, messages=[{"role": "user", "content": prompts[i]}],
                                          max_tokens=limits[i], extra_body={"method": "redrafter"})
 
     with ThreadPoolExecutor(7) as pool:
@@ -238,7 +253,7 @@ def test_concurrent_redrafter_requests_are_decoded_together_each_with_its_own_an
     sizes = [r.model_extra["speculation"].get("batch_size", 1) for r in replies]
     assert max(sizes) > 1 and max(sizes) <= 4, sizes
     stop = " " + want[3].split()[4]  # a row's stop string ends that row only
-    cut = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompts[3]}], max_tokens=12,
+    cut = c.chat.completions.create(model="tiny", temperature=0, messages=[{"role": "user", "content": prompts[3]}], max_tokens=12,
                                     stop=stop, extra_body={"method": "redrafter"})
     assert cut.choices[0].message.content == want[3][: want[3].index(stop)]
 
@@ -261,11 +276,11 @@ def test_the_default_model_serves_redrafter_and_apar():
                 time.sleep(0.5)
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120, max_retries=0)
         question = "Give three tips for staying focused while studying."
-        want = subprocess.run([sys.executable, "-m", "mlx_specdec.cli", "generate", "-p", question, "--max-tokens", "24"],
+        want = subprocess.run([sys.executable, "-m", "mlx_specdec.cli", "generate", "-p", question, "--max-tokens", "24", "--temp", "0"],
                               capture_output=True, text=True, timeout=120).stdout.rstrip("\n")
         messages = [{"role": "user", "content": question}]
         spec = c.chat.completions.create(model="SmolLM2-135M-Instruct-f16", messages=messages, max_tokens=24,
-                                         extra_body={"method": "redrafter"})
+                                         temperature=0, extra_body={"method": "redrafter"})
         assert spec.choices[0].message.content == want
         assert spec.model_extra["speculation"]["tokens_per_forward"] > 1.0
         apar = c.chat.completions.create(model="SmolLM2-135M-Instruct-f16", messages=messages, max_tokens=24,

@@ -115,7 +115,8 @@ def test_a_new_sampling_field_is_in_the_batch_key_without_being_named():
     for f in dataclasses.fields(GenerationParams):
         if f.name in ("max_tokens", "stop", "options"):
             continue
-        other = {"temperature": 0.9, "top_p": 0.5, "seed": 3, "prefill_chunk": 7}.get(f.name)
+        other = {"temperature": 0.9, "top_p": 0.5, "seed": 3, "prefill_chunk": 7, "frequency_penalty": 0.5,
+                 "presence_penalty": -0.5, "repetition_penalty": 1.2, "repetition_context_size": 7}.get(f.name)
         assert other is not None, f"give the test a second value for the new field {f.name}"
         assert batch_key("redrafter", base) != batch_key("redrafter", dataclasses.replace(base, **{f.name: other}))
     # rows keep their own length and stop strings
@@ -126,13 +127,23 @@ def test_sampling_fields_share_one_parser():
     from mlx_specdec.serve.requests import ApiError
 
     for s in SAMPLING:
-        assert s.name in all_settings() or s.name in ("max_tokens", "temperature", "top_p", "seed")
+        assert s.name in all_settings() or s.name in ("max_tokens", "temperature", "top_p", "seed", "frequency_penalty",
+                                                      "presence_penalty", "repetition_penalty",
+                                                      "repetition_context_size")
     with pytest.raises(UserError, match="--temp takes a number from 0 to 2"):
         from mlx_specdec.cli.args import _params
 
         _params(subparser("generate").parse_args(["-p", "x", "--temp", "3"]))
     with pytest.raises(ApiError, match="'temperature' takes a number from 0 to 2"):
         server_options("ar", {"temperature": 3})
+    with pytest.raises(UserError, match="--repetition-penalty takes a number from 0 \\(exclusive\\) to 10"):
+        _params(subparser("generate").parse_args(["-p", "x", "--repetition-penalty", "0"]))
+    with pytest.raises(ApiError, match="'frequency_penalty' takes a number from -2 to 2") as error:
+        server_options("ar", {"frequency_penalty": 2.5})
+    assert error.value.param == "frequency_penalty"
+    args = subparser("chat").parse_args(["--presence-penalty", "0.5", "--repetition-context-size", "9"])
+    params = _params(args)
+    assert (params.presence_penalty, params.repetition_context_size) == (0.5, 9)
 
 
 def test_values_are_typed_strictly():

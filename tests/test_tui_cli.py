@@ -30,7 +30,7 @@ def test_chat_app_outside_a_terminal_is_one_clear_line():
 
 
 def test_plain_chat_still_works_in_a_pipe(tiny_dir):
-    result = cli("chat", "--plain", "-m", str(tiny_dir), "--max-tokens", "3", stdin="w5 w6\n/quit\n")
+    result = cli("chat", "--plain", "-m", str(tiny_dir), "--max-tokens", "3", "--temp", "0", stdin="w5 w6\n/quit\n")
     assert result.returncode == 0, result.stderr
     assert ">>>" in result.stdout and len(result.stdout.split()) >= 3
 

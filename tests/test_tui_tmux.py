@@ -73,7 +73,7 @@ def start_app(session: str, data: Path, max_tokens: int, method: str = "ar", mod
     assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     status = data / f"exit-{time.time_ns()}"
     command = (f"env {assignments} {shlex.quote(sys.executable)} -m mlx_specdec.cli chat -m {shlex.quote(model)} "
-               f"--max-tokens {max_tokens} --method {method}; echo $? > {shlex.quote(str(status))}")
+               f"--max-tokens {max_tokens} --method {method} --temp 0; echo $? > {shlex.quote(str(status))}")
     data.mkdir(parents=True, exist_ok=True)
     # After kill-session the server of the last session exits; a client that connects while it is
     # exiting gets status 1 ("server exited unexpectedly"), so a failed start is tried again.

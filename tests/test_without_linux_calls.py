@@ -88,7 +88,7 @@ def test_the_simulation_removes_the_calls_and_hides_proc(without_linux):
 
 def test_the_cli_and_a_pipeline_over_two_ranks_answer_as_they_do_with_linux_s_calls(tiny, without_linux):
     env, log = without_linux
-    base = ["generate", "-m", str(tiny), "-p", "w3 w5 w7 w9 w3 w5 w7", "--raw", "--max-tokens", "12"]
+    base = ["generate", "-m", str(tiny), "-p", "w3 w5 w7 w9 w3 w5 w7", "--raw", "--max-tokens", "12", "--temp", "0"]
     want = cli(*base)
     assert want.returncode == 0, want.stderr
     assert len(want.stdout.split()) == 12
@@ -111,7 +111,7 @@ def test_the_chat_app_in_tmux_answers_as_the_cli_does(tiny, without_linux, tmp_p
 
     env, log = without_linux
     question = "w3 w5 w7 w9"
-    want = cli("generate", "-m", str(tiny), "-p", question, "--max-tokens", "12")
+    want = cli("generate", "-m", str(tiny), "-p", question, "--max-tokens", "12", "--temp", "0")
     assert want.returncode == 0, want.stderr
 
     app.SOCKET = f"mlxspecdec-test-{os.getpid()}-without-linux"

@@ -17,8 +17,9 @@ def run_chat(args, params) -> int:
         raise UserError("the chat app needs a terminal; use `mlx-specdec chat --plain` for a pipe")
     from .app import ChatApp, real_loader
 
-    settings = {"max_tokens": params.max_tokens, "temperature": params.temperature,
-                "top_p": params.top_p, "seed": params.seed, **params.options}
+    from mlx_specdec.settings import SAMPLING
+
+    settings = {**{s.name: getattr(params, s.name) for s in SAMPLING}, **params.options}
     settings.pop("profile", None)
     adapter = apar_adapter_spec(getattr(args, "apar_adapter", "auto"))
     app = ChatApp(loader=real_loader(args.model, args.dtype, args.drafter, adapter, getattr(args, "draft_model", None)),

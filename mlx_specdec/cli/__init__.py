@@ -1,6 +1,7 @@
 """`mlx-specdec`: generate, chat, serve, bench, calibrate, train-drafter, convert, quantize, fetch.
 
-Errors a user can cause end in one line on stderr and exit status 1; Ctrl-C exits 130.
+Errors a user can cause end in one line on stderr and exit status 1 (a setting the chosen method
+cannot apply: 2, as argparse's usage errors); Ctrl-C exits 130.
 
 One module per command or group of commands; each has `add_parser(sub)`, which registers its
 subcommands, their options and `func`. `--help` lists them in the order of COMMANDS.

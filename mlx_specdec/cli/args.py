@@ -25,7 +25,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "for this model; 'none' = no adapter (default: auto)")
 
 
-METHODS_HELP = ("ar (plain), mlx-lm (peer baseline), redrafter, apar, triforce (long prompts); "
+METHODS_HELP = ("ar (plain), mlx-lm (peer baseline), redrafter, apar, triforce (long prompts), auto (per request, "
+                "ar or redrafter, whichever this engine measured faster); "
                 "with --ranks: pp-ar, pp-spec, pipeinfer (the model split across processes or Macs)")
 DRAFTER_HELP = "ReDrafter head directory ('auto' = the one shipped in models/ for this model, 'none' = no head)"
 
@@ -112,24 +113,34 @@ def method_grids(args) -> dict:
     return grids
 
 
-def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256, method: str = "ar") -> None:
+    """The sampling flags; a model-default field left out takes the model's value (`_params`)."""
+    from ..sampling_defaults import FIELDS, MEASURED
     from ..settings import SAMPLING
 
-    p.add_argument("--method", default="ar", help=f"decoding method: {METHODS_HELP} (default: ar)")
+    p.add_argument("--method", default=method, help=f"decoding method: {METHODS_HELP} (default: {method})")
     for s in SAMPLING:
-        default = max_tokens if s.name == "max_tokens" else s.default
+        default = max_tokens if s.name == "max_tokens" else (None if s.name in FIELDS else s.default)
+        shown = "none" if default is None else default
+        if s.name in FIELDS:
+            shown = f"the model's generation_config.json, else {MEASURED.get(s.name, s.default)}"
         p.add_argument(*s.cli_flags, type=int if s.kind == "int" else float, default=default,
-                       help=f"{s.help} ({s.bounds()}; default: {'none' if default is None else default})")
+                       help=f"{s.help} ({s.bounds()}; default: {shown})")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
-def _params(args):
-    """GenerationParams from the command line, each sampling value held to the registry's bounds."""
+def _params(args, defaults=None, method: str = "ar"):
+    """GenerationParams from the command line, each sampling value held to the registry's bounds;
+    defaults (the model's, `Engine.sampling_defaults`): what a field left out takes, else the
+    registry's own default."""
     from ..decoding import GenerationParams
+    from ..sampling_defaults import fill
     from ..settings import SAMPLING
 
     given = {s.name: getattr(args, s.cli_flags[0][2:].replace("-", "_")) for s in SAMPLING}
     sampling = {s.name: _parse(s, given[s.name]) for s in SAMPLING if given[s.name] is not None}
+    if defaults:
+        sampling = fill(sampling, defaults, method)
     return GenerationParams(**sampling, stop=tuple(args.stop), options=_method_options(args))
 
 

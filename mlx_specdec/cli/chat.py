@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
                                    "per-conversation methods, live thread panes and a speed status bar. "
                                    "--plain gives a line-by-line chat.")
     _add_model_args(p)
-    _add_sampling_args(p, max_tokens=512)
+    _add_sampling_args(p, max_tokens=512, method="auto")
     _add_method_args(p)
     p.add_argument("--plain", action="store_true",
                    help="a plain line-by-line chat instead of the full-screen app (works in pipes)")
@@ -33,15 +33,20 @@ def add_parser(sub) -> None:
 def cmd_chat(args) -> int:
     """The Textual chat app (`tui/`); `--plain` keeps the line-by-line terminal chat."""
     from ..engine import check_method
+    from ..penalties import check_method as check_penalties
+    from ..sampling_defaults import describe, model_defaults, spec_directory
 
     check_method(args.method)
-    params = _params(args)
+    check_penalties(args.method, _params(args))  # an explicit penalty the method cannot apply
     if not args.plain:
         from tui.cli import run_chat  # the app lives outside the engine: nothing here imports Textual
 
-        return run_chat(args, params)
+        # the model's defaults as new conversations' settings, read before the app loads the model
+        return run_chat(args, _params(args, model_defaults(spec_directory(args.model))[0], args.method))
     engine = load_engine(args, reuse_prefix=True)  # each turn resumes from the last one's prompt
-    print(f"Chatting with {engine.lm.describe()} using {args.method}. "
+    defaults, source = engine.sampling_defaults
+    params = _params(args, defaults, args.method)
+    print(f"Chatting with {engine.lm.describe()} using {args.method}; {describe(params, source)}. "
           "Type /quit to leave, /reset to start over; Ctrl-C stops an answer.", file=sys.stderr)
     messages: List[dict] = []
     while True:

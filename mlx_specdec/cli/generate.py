@@ -29,20 +29,29 @@ def add_parser(sub) -> None:
 
 def cmd_generate(args) -> int:
     from ..engine import check_method
+    from ..penalties import check_method as check_penalties
+    from ..sampling_defaults import describe, model_defaults, spec_directory
 
     pipelined = args.method in PIPELINE_METHODS or args.ranks is not None or args.hostfile is not None
     if not pipelined:
         check_method(args.method)
     elif args.method not in PIPELINE_METHODS + ("ar",):
         raise UserError(f"--ranks runs {', '.join(PIPELINE_METHODS)}, not {args.method!r}")
-    params = _params(args)
+    method = (args.method if args.method in PIPELINE_METHODS else "pipeinfer") if pipelined else args.method
+    check_penalties(method, _params(args))  # an explicit penalty the method cannot apply, before any load
     prompt = _prompt(args)
     if not prompt.strip():
         raise UserError("empty prompt")
     if pipelined:
-        args.seed = args.seed or 0
+        defaults, source = model_defaults(spec_directory(args.model))
+        params = _params(args, defaults, method)
+        print(describe(params, source), file=sys.stderr)
+        args.temp, args.top_p, args.seed = params.temperature, params.top_p, args.seed or 0
         return generate_pipelined(args, prompt)
     engine = load_engine(args)
+    defaults, source = engine.sampling_defaults
+    params = _params(args, defaults, method)
+    print(describe(params, source), file=sys.stderr)
     events = engine.generate(prompt, method=args.method, params=params, chat_template=not args.raw)
     print_answer(engine, events, verbose=True, method=args.method)
     return 0

@@ -13,7 +13,8 @@ than the batch so far pushes every other row right by the difference (holes in f
 Each step writes one token per row at the shared position, at the row's own RoPE position; rows
 that end leave at once (`select_rows`), and leading slots that no row uses any more are cut off.
 
-Each row keeps its own sampling settings (temperature, top-p), max_tokens and stop strings. A
+Each row keeps its own sampling settings (temperature, top-p, penalties over its own text),
+max_tokens and stop strings. A
 greedy row writes the tokens it writes alone: its attention sees exactly its own keys (holes
 weigh exactly zero). Sampled rows share the one random stream of the process.
 """
@@ -30,6 +31,7 @@ import numpy as np
 from .. import masks
 from ..cache.contiguous import ContiguousKVCache
 from ..model.forward import forward
+from ..penalties import History, Penalties
 from .base import (DecodeContext, Event, GenerationParams, GenerationStats, _ThreadText, check_context,
                    keep_prefix, make_sampler, peak_memory_mb, prefilled_cache, take_tokens)
 
@@ -46,6 +48,7 @@ class _Row:
     text: _ThreadText
     stats: GenerationStats
     sampler: object
+    history: Optional[History]  # its penalties' state (None: every penalty off)
     start: float = field(default_factory=time.perf_counter)
     first_at: Optional[float] = None
     last_at: Optional[float] = None
@@ -78,8 +81,10 @@ class ContinuousDecoder:
         self._merge(alone, len(prompt) - 1)
         keep_prefix(ctx, alone, prompt[:-1])  # the next turn of this conversation may resume from it
         stats.prefill_s = time.perf_counter() - started
+        pen = Penalties.of(params)
         row = _Row(self._next_id, params, limit, len(prompt) - 1, prompt[-1],
-                   _ThreadText(self.lm.tokenizer, params.stop), stats, ctx.sampler, start=started)
+                   _ThreadText(self.lm.tokenizer, params.stop), stats, ctx.sampler,
+                   None if pen is None else History(pen, prompt), start=started)
         self._next_id += 1
         self.rows.append(row)
         return row.ident
@@ -129,9 +134,15 @@ class ContinuousDecoder:
         return events
 
     def _choose(self, row: _Row, logits: mx.array) -> mx.array:  # (1, V) -> (1,)
+        if row.history is not None:
+            logits = row.history(logits)
         if row.params.greedy:
-            return mx.argmax(logits, axis=-1)
-        return row.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+            chosen = mx.argmax(logits, axis=-1)
+        else:
+            chosen = row.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        if row.history is not None:
+            row.history.add(chosen)
+        return chosen
 
     def _end(self, row: _Row, reason: str, now: float) -> List[Event]:
         events = []

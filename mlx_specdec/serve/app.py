@@ -7,7 +7,8 @@
 
 Every method of the engine, losslessly, picked per request (`method`, extension field). `usage`
 carries the token counts; `speculation` the method's figures (tokens per forward, drafts accepted
-of drafted, the method's own statistics). Requests queue first come first served on one
+of drafted, the method's own statistics); `sampling` the sampling the answer was written with
+(the request's fields, the rest the model's defaults). Requests queue first come first served on one
 generation thread (worker.py); a client that disconnects is stopped at its next event and its
 cache rolled back. The engine keeps the conversation prefix cache (a follow-up that repeats the
 earlier messages does not prefill them again).
@@ -28,12 +29,15 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import UserError
+from ..sampling_defaults import in_force
 from .requests import MAX_BODY_BYTES, ApiError, parse
 from .worker import DONE, GenerationWorker, Job
 
 
 def _speculation(stats) -> dict:
     extra = {k: v for k, v in stats.extra.items() if isinstance(v, (int, float, str, bool))}
+    if isinstance(stats.extra.get("auto"), dict):  # `auto`: what it chose and why
+        extra["auto"] = dict(stats.extra["auto"])
     return dict(method=stats.method, forward_passes=stats.forward_passes,
                 tokens_per_forward=round(stats.tokens_per_forward, 3), drafted=stats.drafted,
                 accepted=stats.accepted, **extra)
@@ -77,6 +81,7 @@ def create_app(worker: GenerationWorker, method: str = "ar", api_key: Optional[s
     engine = worker.wait_ready()
     model_id = engine.lm.name
     methods = list(engine.methods)
+    defaults = engine.sampling_defaults[0]
 
     def error(exc: ApiError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
@@ -100,7 +105,8 @@ def create_app(worker: GenerationWorker, method: str = "ar", api_key: Optional[s
         except RecursionError:
             raise ApiError(400, "the body is not valid JSON: nested too deeply") from None
         # the base model's tokenizer and window (no MLX here: an APAR adapter loads on the generation thread)
-        return parse(body, engine.lm, model_id, methods, method, chat, aliases=[model_spec] if model_spec else [])
+        return parse(body, engine.lm, model_id, methods, method, chat, aliases=[model_spec] if model_spec else [],
+                     defaults=defaults)
 
     async def complete(request: HttpRequest, chat: bool):
         try:
@@ -135,7 +141,7 @@ def create_app(worker: GenerationWorker, method: str = "ar", api_key: Optional[s
         choice = {"index": 0, "finish_reason": _finish(stats, job), "logprobs": None}
         choice.update({"message": {"role": "assistant", "content": content}} if chat else {"text": content})
         body = {"id": ident, "object": kind, "created": created, "model": model_id, "choices": [choice],
-                "usage": _usage(len(req.prompt_ids), stats)}
+                "usage": _usage(len(req.prompt_ids), stats), "sampling": in_force(req.params)}
         if stats is not None:
             body["speculation"] = _speculation(stats)
         return JSONResponse(body)
@@ -209,7 +215,10 @@ async def _stream(request: HttpRequest, job: Job, req, ident: str, created: int,
             if await request.is_disconnected():
                 job.cancelled.set()
                 return
-        yield chunk(None, _finish(stats, job), {"speculation": _speculation(stats)} if stats is not None else None)
+        last = {"sampling": in_force(req.params)}
+        if stats is not None:
+            last["speculation"] = _speculation(stats)
+        yield chunk(None, _finish(stats, job), last)
         if req.include_usage:
             usage = {"id": ident, "object": kind + ".chunk" if chat else kind, "created": created, "model": model_id,
                      "choices": [], "usage": _usage(len(req.prompt_ids), stats)}

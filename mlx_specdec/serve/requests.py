@@ -4,8 +4,10 @@
 
 400 for a malformed body or a bad field, 401 without the API key, 404 for another model's name,
 413 for a prompt past the context window. Standard fields: model, messages (chat) or prompt
-(completions), max_tokens / max_completion_tokens, temperature, top_p, seed, stop, stream,
-stream_options.include_usage, n (1 only). Extensions: `method` (ar, redrafter, apar, triforce, ...)
+(completions), max_tokens / max_completion_tokens, temperature, top_p, seed, frequency_penalty,
+presence_penalty, stop, stream, stream_options.include_usage, n (1 only); a sampling field left out
+takes the model's default (sampling_defaults.py). Extensions: repetition_penalty and
+repetition_context_size (mlx-lm's), `method` (ar, redrafter, apar, triforce, ...)
 and that method's settings by their names (beam_width, budget, ...), parsed and bounded by the
 method registry (settings.py), as the CLI parses its flags: a bad value is a 400 naming the field.
 """
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 from ..decoding import GenerationParams
+from ..penalties import Unsupported, check_method
+from ..sampling_defaults import fill
 from ..settings import SAMPLING, SettingError, all_settings, resolve
 
 DEFAULT_MAX_TOKENS = 256
@@ -77,9 +81,9 @@ def _messages(body: dict) -> List[Dict[str, str]]:
 
 
 def parse(body, lm, model_id: str, methods: List[str], default_method: str, chat: bool,
-          aliases: Sequence[str] = ()) -> Request:
+          aliases: Sequence[str] = (), defaults: Optional[Dict[str, object]] = None) -> Request:
     """A validated request; raises ApiError. `model` may be the served id or an alias (the spec the
-    server was started with, e.g. 'default')."""
+    server was started with, e.g. 'default'); defaults: the sampling a field left out takes."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -124,6 +128,11 @@ def parse(body, lm, model_id: str, methods: List[str], default_method: str, chat
         raise ApiError(413, f"the prompt has {len(ids)} tokens; the context window of {model_id} is {window}",
                        "messages" if chat else "prompt", code="context_length_exceeded")
     given = {name: value for name, value in sampling.items() if value is not None}
+    try:
+        check_method(method, GenerationParams(**given))
+    except Unsupported as error:
+        raise ApiError(400, str(error), error.param) from None
+    given = fill(given, defaults or {}, method)
     params = GenerationParams(max_tokens=min(wanted, window - len(ids)), stop=tuple(stop or ()), options=options,
                               **given)
     stream_options = body.get("stream_options")

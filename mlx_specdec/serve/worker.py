@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Deque, List, Optional
 
 from ..decoding import Event, GenerationParams
-from ..engine import BATCH_METHODS, JOIN_METHODS
+from ..engine import AUTO, BATCH_METHODS, JOIN_METHODS
 from ..settings import batch_key
 
 DONE = object()  # the end of a job's events
@@ -50,10 +50,13 @@ class Job:
     progress_at: float = 0.0  # monotonic time of its last event (or of its start)
     stalled: bool = False  # the watchdog found it making no progress
     finished: bool = False  # its last event (DONE) was sent
+    auto: Optional[dict] = None  # `auto`: what it chose and why (the done event's stats carry it)
 
     def put(self, item) -> None:
         self.progress_at = time.monotonic()
         self.finished = self.finished or item is DONE
+        if self.auto is not None and isinstance(item, Event) and item.stats is not None:
+            item.stats.extra["auto"] = self.auto
         self.loop.call_soon_threadsafe(self.events.put_nowait, item)
 
     def batch_key(self):
@@ -144,11 +147,14 @@ class GenerationWorker:
             head = self._jobs.popleft()
             if head is None:
                 return None
+            self._resolve(head, busy=bool(self._jobs))
             batch, key = [head], head.batch_key()
             if key is not None:
                 for job in list(self._jobs):
                     if len(batch) == self.max_batch:
                         break
+                    if job is not None:
+                        self._resolve(job, busy=True)
                     if job is not None and not job.cancelled.is_set() and job.batch_key() == key:
                         self._jobs.remove(job)
                         batch.append(job)
@@ -184,6 +190,18 @@ class GenerationWorker:
             with self._arrived:
                 self._running = []
 
+    def _resolve(self, job: Job, busy: bool) -> None:
+        """`auto`: the method for this request, chosen on the generation thread (the chooser may
+        load the draft head); busy: other requests wait or run beside it."""
+        if job.method != AUTO:
+            return
+        choose = getattr(self.engine, "choose_method", None)
+        if choose is None:
+            job.method = "ar"
+            return
+        choice = choose(job.prompt_ids, job.params, busy=busy or bool(self._running))
+        job.method, job.auto = choice.method, choice.as_dict()
+
     @staticmethod
     def _joins(job: Job) -> bool:
         """Can run as a row of a continuous batch: a method that joins, and not a seeded sampled
@@ -195,7 +213,8 @@ class GenerationWorker:
         first served: a job that cannot join stops the taking; the batch then drains for it)."""
         taken = []
         with self._arrived:
-            while room > len(taken) and self._jobs and self._jobs[0] is not None and self._joins(self._jobs[0]):
+            while room > len(taken) and self._jobs and self._jobs[0] is not None and \
+                    (self._resolve(self._jobs[0], busy=True) or self._joins(self._jobs[0])):
                 job = self._jobs.popleft()
                 job.progress_at = time.monotonic()
                 if job.cancelled.is_set():
