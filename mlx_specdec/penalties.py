@@ -137,7 +137,10 @@ class TreePenalties:
         W, L = beams.shape[1:]
         where = np.zeros((B, N), dtype=np.int64)  # a (w, j) of each node: its path is beams[w, 1 : j + 1]
         for b, tree in enumerate(packed):
-            where[b, tree.index.ravel()] = np.arange(W * L)
+            # Only a (w, j) at its node's own depth spells the node's path: a runner-up's beam points
+            # its padding past the runner (and an unverified runner's whole beam) at a shallower node.
+            own = np.arange(L) == tree.depths[tree.index]  # (W, L)
+            where[b, tree.index[own]] = np.flatnonzero(own)
         beam, depth = where // L, where % L
         path = np.take_along_axis(beams[:, :, 1:], beam[..., None], axis=1)  # (B, N, L-1)
         on_path = np.arange(L - 1) < depth[..., None]  # (B, N, L-1)
