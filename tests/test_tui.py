@@ -194,7 +194,7 @@ def test_status_bar_updates_while_streaming(tmp_path):
             seen = []
             for hold in (1, 2):
                 await until(pilot, lambda: engine.holds == hold and engine.holding.is_set())
-                await pilot.pause(0.05)
+                await pilot.pause(app.STATUS_S + 0.1)  # the figures show within STATUS_S
                 seen.append(str(app.status.render()))
                 engine.release()
             await until(pilot, lambda: app.current is None)

@@ -1,8 +1,9 @@
 """The chat app: conversation list, conversation, input; live thread panes; status bar.
 
 Never frozen: the model loads in a thread worker that reports its stages to a progress bar;
-each answer is generated in a thread worker that posts one message per engine event; the UI
-thread alone touches widgets and the SQLite store, so what is saved is exactly what is shown.
+each answer is generated in a thread worker that queues the engine's events, which the UI thread
+takes and draws at most once a frame; the UI thread alone touches widgets and the SQLite store, so
+what is saved is exactly what is shown.
 Esc stops an answer at once: the UI marks it stopped and ignores the worker's later messages;
 the worker closes the engine's stream at its next event (the engine rolls its cache back).
 The workers and the handlers of their messages are in `tui.workers`, attaching a document to a

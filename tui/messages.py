@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import threading
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Deque, Optional
 
 from textual.message import Message
 
@@ -31,12 +32,6 @@ class LoadFailed(Message):
         self.error, self.hint = error, hint
 
 
-class GenEvent(Message):
-    def __init__(self, gen_id: int, event):
-        super().__init__()
-        self.gen_id, self.event = gen_id, event
-
-
 class GenFinished(Message):
     def __init__(self, gen_id: int, error: Optional[str] = None, hint: str = ""):
         super().__init__()
@@ -55,3 +50,10 @@ class Generation:
     view: Optional[MessageView] = None
     finished: bool = False
     status: str = "streaming"
+    #: engine events the worker appended and the UI has not taken yet (deque: thread-safe)
+    inbox: Deque[Any] = field(default_factory=deque)
+    timer: Any = None  # the Textual timer that looks at the inbox once a frame while it is written
+    frames: int = 0  # frames drawn while it was written
+    events: int = 0  # engine events taken
+    status_at: float = 0.0  # when the status bar last showed its figures (time.monotonic)
+    status_due: bool = False  # an update of the status bar is scheduled

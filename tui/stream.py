@@ -92,12 +92,19 @@ class ThreadView:
 
 @dataclass
 class Change:
-    """What one event changed, for the widgets."""
+    """What one event (or, merged with `absorb`, several) changed, for the widgets."""
 
     opened: List[int] = field(default_factory=list)
     closed: List[int] = field(default_factory=list)
     updated: List[int] = field(default_factory=list)
     done: bool = False
+
+    def absorb(self, other: "Change") -> None:
+        """Add what `other`, a later change, did: each thread once, in first-seen order."""
+        for mine, theirs in ((self.opened, other.opened), (self.closed, other.closed),
+                             (self.updated, other.updated)):
+            mine.extend(t for t in theirs if t not in mine)
+        self.done = self.done or other.done
 
 
 def split_accepted(text: str, tokens: List[int], accepted: int, decode: Optional[Decode]) -> Tuple[str, str]:
@@ -145,12 +152,15 @@ class StreamState:
         self.first_tokens = 0
         self.last_t: Optional[float] = None
         self.stats = None  # GenerationStats from the "done" event
+        self.chosen: Optional[dict] = None  # an `auto` answer: the method chosen and why
         self._answer_cache: Optional[str] = None
 
     # -- feeding ----------------------------------------------------------------------------
     def feed(self, event) -> Change:
         self.events.append(event)
         change = Change()
+        if getattr(event, "chosen", None):
+            self.chosen = event.chosen
         kind, tid = event.kind, event.thread_id
         if kind == "thread_start":
             if tid not in self.threads:  # thread 0 (the root) always exists
@@ -297,6 +307,8 @@ class StreamState:
         per_forward = (f"{self.tokens_per_forward:.2f} tok/fwd" if levels is None
                        else f"{levels[2]:.2f} tok/full fwd")  # TriForce counts full-cache verifies
         parts = [f"{self.tokens} tok", f"{self.decode_tps:.1f} tok/s", per_forward]
+        if self.chosen:
+            parts.insert(0, f"auto chose {self.chosen['chose']}: {self.chosen['why']}")
         if levels is not None:
             parts.append(f"acc bottom {levels[0]:.0%} · middle {levels[1]:.0%}")
             if "budget" in self.stats.extra:

@@ -12,13 +12,14 @@ from textual.widgets import Label, ListItem, ListView, Static
 
 from mlx_specdec.decoding.redrafter import DEFAULT_BEAM_LENGTH, DEFAULT_BEAM_WIDTH, DEFAULT_DRAFT_CUTOFF
 
+from .growing import GrowingText, KeptLines, update_sized
 from .stream import StreamState, ThreadView
 
 #: how text that came from accepted drafts is shown: the theme's success colour, underlined (an
 #: underline reads on light and dark themes and without colour)
 ACCEPTED_STYLE = "$text-success underline"
 METHOD_LABELS = {"ar": "plain", "mlx-lm": "mlx-lm", "redrafter": "ReDrafter", "apar": "APAR",
-                 "triforce": "TriForce"}
+                 "triforce": "TriForce", "auto": "auto"}
 
 
 def method_label(method: str, settings: Optional[dict] = None) -> str:
@@ -65,7 +66,8 @@ STATUS_NOTES = {"stopped": "stopped (Esc)", "interrupted": "interrupted: the app
 
 
 class MessageView(Static):
-    """One message. An assistant message is re-rendered as its text streams in."""
+    """One message. A streamed assistant message grows by appending: the content of its complete
+    segments is kept, and each update adds what came after them."""
 
     DEFAULT_CSS = """
     MessageView { height: auto; margin: 0 0 1 0; }
@@ -84,42 +86,79 @@ class MessageView(Static):
         self.status = status
         self.segments = segments if segments is not None else [[text, False]]
         self.summary = summary
+        #: the segments drawn whole (all but the last, which may still grow) and the content of the
+        #: head and of them; a new update appends to it while they are unchanged
+        self._kept: List[List] = []
+        self._kept_content: Optional[Content] = None
+        self._lines = KeptLines()  # the wrapped complete lines of a streamed message
+        self.shown: Content = Content("")  # what the view draws
 
     def on_mount(self) -> None:
         self.refresh_content()
 
-    def set_stream(self, segments: List[List], status: Optional[str] = None, summary: Optional[str] = None) -> None:
+    def refresh(self, *regions, **options):
+        """A refresh asked for by `update_sized` repaints only the rows that changed."""
+        rows = getattr(self, "_dirty_rows", None)
+        if rows is not None and not regions and not options.get("layout"):
+            regions = (rows,)
+        return super().refresh(*regions, **options)
+
+    def set_stream(self, segments: List[List], status: Optional[str] = None, summary: Optional[str] = None) -> bool:
+        """Show these segments (and status, summary); True when the view's height changed."""
         self.segments = segments
         if status is not None:
             self.status = status
         if summary is not None:
             self.summary = summary
-        self.refresh_content()
+        return self.refresh_content()
 
     @property
     def text(self) -> str:
         return "".join(t for t, _ in self.segments)
 
-    def refresh_content(self) -> None:
+    def _head(self) -> Content:
         if self.role == "user":
             head = Content.assemble(("You", "bold $text-primary"))
             if self.document:
                 chip = f" ▤ {self.document['name']} · {self.document['tokens']:,} tokens "
                 head = head.append(Content.assemble("  ", (chip, "$text-accent on $panel")))
-        else:
-            head = Content.assemble(("Assistant", "bold $text-secondary"),
-                                    (f" · {METHOD_LABELS.get(self.method, self.method)}", "$text-muted"))
-        body = segments_content(self.segments)
+            return head
+        return Content.assemble(("Assistant", "bold $text-secondary"),
+                                (f" · {METHOD_LABELS.get(self.method, self.method)}", "$text-muted"))
+
+    def _head_and_body(self) -> Content:
+        """The head, a line break and the body: the kept content, and the segments after it."""
         if self.role == "user" and self.document:
-            body = Content(str(self.document.get("question", "")))
+            return Content.assemble(self._head(), "\n", str(self.document.get("question", "")))
+        segments, kept = self.segments, len(self._kept)
+        if self._kept_content is None or segments[:kept] != self._kept:
+            self._kept, self._kept_content, kept = [], Content.assemble(self._head(), "\n"), 0
+            self._lines.reset()
+        complete = len(segments) - 1
+        if complete > kept:
+            self._kept_content = self._kept_content + segments_content(segments[kept:complete])
+            self._kept = self._kept + [list(s) for s in segments[kept:complete]]
+            kept = complete
+        return self._kept_content + segments_content(segments[kept:])
+
+    def refresh_content(self) -> bool:
+        """Draw the message; True when its height changed (a layout pass was asked for)."""
+        content = self._head_and_body()
         if self.role == "assistant" and self.status == "streaming":
-            body = body.append(Content.assemble(("▍", "$text-accent")))
-        parts = [head, "\n", body]
+            content = content + Content.assemble(("▍", "$text-accent"))
         note = STATUS_NOTES.get(self.status) if self.status not in ("done", "streaming") else None
         tail = " · ".join(x for x in (note, self.summary) if x)
         if tail and self.role == "assistant":
-            parts += ["\n", (f"[{tail}]", "italic $text-muted")]
-        self.update(Content.assemble(*parts))
+            content = content + Content.assemble("\n", (f"[{tail}]", "italic $text-muted"))
+        self.shown = content
+        if self.status == "streaming":  # wrap only the line being written, draw only its rows
+            growing, lines = GrowingText(content, self._lines), self._lines
+            same = lines.drawn_rows or 0
+            grew = update_sized(self, growing, same_rows=same)
+            lines.drawn_rows = growing.kept_rows()
+            return grew
+        self._lines.reset()
+        return update_sized(self, content)
 
 
 class Notice(Static):
@@ -212,7 +251,7 @@ class ThreadPane(Static):
         width = max((self.size.width or 60) - 3, 20)
         if len(tail) > 2 * width:
             tail = "…" + tail[-(2 * width - 1):]
-        self.update(Content.assemble(head, "\n", tail))
+        update_sized(self, Content.assemble(head, "\n", tail))
 
 
 class ThreadPanes(VerticalScroll):
@@ -289,6 +328,7 @@ class StatusBar(Static):
     """
 
     def show_text(self, text: str) -> None:
+        self._shown = None
         self.update(Content(text))
 
     def show_state(self, state: StreamState, method: str, baseline: Optional[float], phase: str) -> None:
@@ -300,11 +340,17 @@ class StatusBar(Static):
             text = " │ ".join(self._parts(state, method, baseline, phase, short))
             if not width or len(text) <= width:
                 break
-        self.update(Content(text))
+        if text != getattr(self, "_shown", None):
+            self._shown = text
+            self.update(Content(text), layout=False)  # one line, always: no layout
 
     @staticmethod
     def _parts(state: StreamState, method: str, baseline: Optional[float], phase: str, short: int) -> List[str]:
-        parts = [f"{METHOD_LABELS.get(method, method)} {phase}", f"{state.decode_tps:.1f} tok/s"]
+        label = METHOD_LABELS.get(method, method)
+        if state.chosen:  # `auto`: the method it chose for this answer
+            method = state.chosen["chose"]
+            label = f"{label}: {METHOD_LABELS.get(method, method)}"
+        parts = [f"{label} {phase}", f"{state.decode_tps:.1f} tok/s"]
         levels = state.triforce_levels()
         if method == "triforce" or levels is not None:
             # TriForce: each forward counted is a full-cache verify; acceptance at both levels

@@ -2,9 +2,10 @@
 
 The model loads in a thread worker (`LoadingMixin._load`) that reports its stages as
 `LoadProgress` messages; each answer is generated in a thread worker (`GenerationMixin._generate`)
-that posts one `GenEvent` per engine event and a `GenFinished` at the end. The workers never touch
-widgets or the store: the `on_*` handlers below run on the UI thread, which alone does, so what is
-saved is exactly what is shown. Both workers hold the app's engine lock while they use the engine.
+that appends the engine's events to the answer's inbox, which the UI empties once a frame, and
+posts a `GenFinished` at the end. The workers never touch widgets or the store: the UI thread
+(the `on_*` handlers and the frame timer below) alone does, so what is saved is exactly what is
+shown. Both workers hold the app's engine lock while they use the engine.
 Esc stops an answer at once: the UI marks it stopped and ignores the worker's later messages; the
 worker closes the engine's stream at its next event (the engine rolls its cache back).
 
@@ -14,6 +15,7 @@ The mixins keep no state of their own: they use the attributes `ChatApp.__init__
 
 from __future__ import annotations
 
+import time
 from typing import Callable, List, Optional
 
 from textual.css.query import NoMatches
@@ -21,8 +23,8 @@ from textual.widgets import ProgressBar, Static
 
 from .documents import compose
 from .hints import error_line, hint_for
-from .messages import EngineReady, GenEvent, GenFinished, Generation, LoadFailed, LoadProgress
-from .stream import StreamState, default_restore
+from .messages import EngineReady, GenFinished, Generation, LoadFailed, LoadProgress
+from .stream import Change, StreamState, default_restore
 from .widgets import MessageView
 
 Loader = Callable[[Callable[[str, int, int], None]], object]
@@ -132,7 +134,16 @@ class LoadingMixin:
 
 
 class GenerationMixin:
-    """Writes one answer at a time: starts the worker, shows and saves its events, finishes or stops it."""
+    """Writes one answer at a time: starts the worker, shows and saves its events, finishes or stops it.
+
+    The worker only appends the engine's events to the answer's inbox: it never waits for the UI
+    and never wakes it. While the answer is written the UI looks at the inbox once a frame
+    (`FRAME_S`) and, when something came, takes it all and draws one frame (saved, then shown: the
+    message appends to what is on screen, `MessageView.set_stream`). So the UI's cost follows the
+    frame rate, not the engine's token rate, and an idle engine costs the UI nothing but the look."""
+
+    FRAME_S = 1 / 30
+    STATUS_S = 1 / 4  # the status bar's figures change this often while an answer is written
 
     # -- asking -----------------------------------------------------------------------------
     def history(self, conversation_id: int) -> List[dict]:
@@ -172,12 +183,14 @@ class GenerationMixin:
         except (TypeError, ValueError) as exc:
             self.post_message(GenFinished(gen.id, f"bad settings: {exc}", "Fix them with Ctrl+O."))
             return
+        gen.timer = self.set_interval(self.FRAME_S, lambda: self._take_events(gen), name=f"answer {gen.id} frames")
         self.run_worker(lambda: self._generate(gen, history, params), thread=True, group="generate",
                         name=f"answer {gen.id}")
 
     def _generate(self, gen: Generation, history: List[dict], params) -> None:
-        """Thread worker: one engine stream -> one message per event. Holds the engine lock, so a
-        new answer waits for a stopped one to close its stream."""
+        """Thread worker: runs one engine stream and appends its events to `gen.inbox`, which the
+        UI empties once a frame. Holds the engine lock, so a new answer waits for a stopped one to
+        close its stream."""
         with self._engine_lock:
             if gen.cancel.is_set():
                 self.post_message(GenFinished(gen.id))
@@ -188,7 +201,7 @@ class GenerationMixin:
                 for event in stream:
                     if gen.cancel.is_set():
                         break
-                    self.post_message(GenEvent(gen.id, event))
+                    gen.inbox.append(event)  # thread-safe; never blocks
                 self.post_message(GenFinished(gen.id))
             except Exception as exc:  # noqa: BLE001 - shown as a notification, never a crash
                 self.post_message(GenFinished(gen.id, error_line(exc), hint_for(exc)))
@@ -200,29 +213,44 @@ class GenerationMixin:
                     except Exception:  # noqa: BLE001
                         pass
 
-    def on_gen_event(self, message: GenEvent) -> None:
-        gen = self.current
-        if gen is None or gen.finished or message.gen_id != gen.id:
-            return  # a stopped answer's late events
-        state = gen.state
-        change = state.feed(message.event)
-        if change.done:
-            self.finish(gen, "done")
+    def _take_events(self, gen: Generation) -> None:
+        """Once a frame: feed every event that came to the answer's state and, if any did, draw a
+        frame. The answer's "done" ends it at once."""
+        if gen.finished or gen is not self.current:
             return
+        inbox, state, change = gen.inbox, gen.state, Change()
+        if not inbox:
+            return
+        while inbox:
+            step = state.feed(inbox.popleft())
+            gen.events += 1
+            if step.done:
+                self.finish(gen, "done")
+                return
+            change.absorb(step)
+        self._frame(gen, change)
+
+    def _frame(self, gen: Generation, change: Change) -> None:
+        """One frame of a streaming answer: save what is shown, then show what changed since the
+        last frame (the store and the screen move together)."""
+        gen.frames += 1
+        state = gen.state
         self.store.update_message(gen.message_id, content=state.answer(), marks=state.marks(),
                                   threads=state.thread_record() if state.forked else None)
         if self.conversation is None or self.conversation.id != gen.conversation_id:
             return  # saved; another conversation is on screen
         try:
-            self._show_change(gen, change)
+            with self.batch_update():
+                self._show_change(gen, change)
         except NoMatches:  # the app is closing: the answer is saved above, the widgets are gone
             pass
 
-    def _show_change(self, gen: Generation, change) -> None:
+    def _show_change(self, gen: Generation, change: Change) -> None:
         state = gen.state
         panes = self.panes
         for tid in change.opened:
-            panes.open(state.threads[tid], state)
+            if tid not in change.closed:  # a thread that opened and closed within one frame
+                panes.open(state.threads[tid], state)
         for tid in change.updated:
             panes.update_thread(tid)
         for tid in change.closed:
@@ -230,13 +258,36 @@ class GenerationMixin:
         if state.forked:
             panes.describe(state)
         if gen.view is not None and gen.view.is_attached:
-            gen.view.set_stream(state.answer_segments())
-            self.chat.follow()
-        self.status.show_state(state, gen.method, self.baseline, "writing")
+            if gen.view.set_stream(state.answer_segments()):
+                self.chat.follow()  # it grew by a line
+        self._show_status(gen)
+
+    def _show_status(self, gen: Generation) -> None:
+        """The status bar's figures while an answer is written: at most once per `STATUS_S`
+        (figures a reader can follow, a repaint less per frame); a frame that comes sooner
+        leaves one update due at the end of the interval, so the latest figures always show."""
+        if gen.finished or gen is not self.current:
+            return
+        if self.conversation is None or self.conversation.id != gen.conversation_id:
+            return  # another conversation is on screen
+        wait = gen.status_at + self.STATUS_S - time.monotonic()
+        if wait > 0:
+            if not gen.status_due:
+                gen.status_due = True
+                self.set_timer(wait, lambda: self._show_status(gen))
+            return
+        gen.status_at, gen.status_due = time.monotonic(), False
+        try:
+            self.status.show_state(gen.state, gen.method, self.baseline, "writing")
+        except NoMatches:  # the app is closing
+            pass
 
     def on_gen_finished(self, message: GenFinished) -> None:
         gen = self.current
         if gen is None or gen.finished or message.gen_id != gen.id:
+            return
+        self._take_events(gen)  # what the worker queued before it ended (its "done" finishes it)
+        if gen.finished:
             return
         if message.error:
             self.finish(gen, "error", note=message.error)
@@ -248,6 +299,9 @@ class GenerationMixin:
     def finish(self, gen: Generation, status: str, note: str = "") -> None:
         gen.finished = True
         gen.status = status
+        if gen.timer is not None:
+            gen.timer.stop()
+            gen.timer = None
         state = gen.state
         summary = " · ".join(x for x in (note, state.summary_line() if state.tokens else "") if x)
         self.store.update_message(gen.message_id, content=state.answer(), status=status, marks=state.marks(),
