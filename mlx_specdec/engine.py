@@ -213,9 +213,12 @@ class Engine:
     def _measured(self, events: Iterator[Event], method: str, prompt_tokens: int, params: GenerationParams,
                   choice=None) -> Iterator[Event]:
         """Pass the events on; the finished answer's decode rate goes to the chooser, and an
-        `auto` answer's stats say what was chosen and why."""
+        `auto` answer's first event and its stats say what was chosen and why."""
+        choice_untold = True
         try:
             for event in events:
+                if choice is not None and choice_untold:
+                    event.chosen, choice_untold = choice.as_dict(), False  # shown from the start
                 if event.stats is not None and event.kind == "done":
                     if choice is not None:
                         event.stats.extra["auto"] = choice.as_dict()

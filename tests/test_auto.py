@@ -72,5 +72,7 @@ def test_auto_answers_as_the_method_it_chose_and_says_which():
         stats = events[-1].stats
         assert stats.extra["auto"]["chose"] == stats.method in ("ar", "redrafter")
         assert stats.extra["auto"]["why"]
+        assert events[0].chosen == stats.extra["auto"]  # said from the first event on (the chat's status bar)
+        assert all(e.chosen is None for e in events[1:])
         assert sum((e.tokens for e in events), []) == sum((e.tokens for e in plain), [])
     assert engine.chooser.rates  # every answer of ar and redrafter was measured

@@ -125,6 +125,8 @@ class Event:
     accepted: int = 0
     elapsed_s: float = 0.0
     stats: Optional[GenerationStats] = None
+    #: on the first event of an `auto` answer: what was chosen and why, {"chose": ..., "why": ...}
+    chosen: Optional[dict] = None
 
 
 @dataclass
