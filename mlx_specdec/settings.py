@@ -236,6 +236,9 @@ APAR = (
     _on_off("fork_probe", True, "the original model writes until the first fork, which the adapter's probe "
             "decides (where the adapter ships one)"),
     _on_off("speculate", True, "threads draft from what their siblings wrote"),
+    Setting("sibling_penalty", "float", importlib.import_module(".apar.siblings", __package__).DEFAULT_PENALTY,
+            "a line that follows a head its threads already wrote (after the head's first word) loses this "
+            "much logit; 0 = off, 100 or more = never written", low=0.0, high=1000.0, expert=True),
 )
 
 METHODS: Dict[str, Method] = {m.name: m for m in (

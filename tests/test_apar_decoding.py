@@ -447,12 +447,14 @@ def test_forks_and_ends_keep_the_queued_step():
     """A thread that forks feeds [Fork] next, as the queued step guessed, and one that ends only
     wastes its own row: neither drops the queued step (each used to cost one whole forward)."""
     lm = forking_apar_lm(3, fork=2.0, eos=2.0)
-    events = list(stream_events(lm, list(PROMPT), apar, GenerationParams(max_tokens=120), "apar"))
-    stats = events[-1].stats
-    forks, ends = len(starts(events)), sum(e.kind == "thread_end" for e in events)
-    assert forks >= 20 and ends >= 20
-    assert stats.extra["dropped_steps"] == 0
-    assert stats.forward_passes == stats.extra["decode_steps"] + stats.extra["dropped_steps"]
+    for options, least in (({"sibling_penalty": 0.0}, 20), ({}, 5)):  # the sibling rule off, then on
+        params = GenerationParams(max_tokens=120, options=options)
+        events = list(stream_events(lm, list(PROMPT), apar, params, "apar"))
+        stats = events[-1].stats
+        forks, ends = len(starts(events)), sum(e.kind == "thread_end" for e in events)
+        assert forks >= least and ends >= least
+        assert stats.extra["dropped_steps"] == 0
+        assert stats.forward_passes == stats.extra["decode_steps"] + stats.extra["dropped_steps"]
 
 
 def test_sampling_keeps_the_queued_step_and_the_rules():

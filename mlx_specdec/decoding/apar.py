@@ -41,6 +41,13 @@ answer, token for token (so is every answer with `max_depth` 0 or `max_threads` 
 model never runs); the step queued behind the first fork is dropped (it was the original
 model's).
 
+Sibling rule (`apar/siblings.py`; option `sibling_penalty`, default `DEFAULT_PENALTY`, 0 = off):
+a parent sees only the heads it wrote, its children's details forked away, and a child sees none
+of its siblings, so threads repeat each other's heads. A line that follows one of its thread's
+heads (the lines it forked on) or, on a child's first line, an earlier sibling's first line, past
+the head's first word, loses that much logit on the token that would continue it. A thread that
+has not forked and has no earlier sibling is never touched: an unforked answer is unchanged.
+
 One host sync per step: the sampled tokens (every fork/finish decision needs them). While the
 host waits for them, the next step is already queued (`mx.async_eval`). Each step samples twice
 per thread, with [Fork] allowed (where the depth limit allows) and with it masked; the step's
@@ -65,6 +72,7 @@ from typing import Dict, Iterator, List, Optional
 
 import mlx.core as mx
 
+from ..apar.siblings import DEFAULT_PENALTY, SiblingRule
 from ..apar.tokens import ControlTokens, control_tokens_for, newline_token_ids
 from ..cache import ForkableKVCache
 from ..errors import UserError
@@ -133,12 +141,18 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
     # decodes every thread. An answer that never forks is the original model's, token for token.
     probe = None if skeleton or not options.get("fork_probe", True) else getattr(model, "fork_probe", None)
     base_phase = probe is not None
+    # Lines pushed off the heads threads have written already (`apar/siblings.py`); 0: off.
+    penalty = float(options.get("sibling_penalty", DEFAULT_PENALTY))
+    rule = SiblingRule(ctx.lm.tokenizer, penalty) if penalty > 0.0 else None
+    step_no = 0  # the step whose tokens are being read; the next one built is step_no + 1
 
     prompt = ctx.prompt
     cache.new_thread(0)
     prefill_thread(ctx, cache, 0, prompt[:-1], model=probe.model if base_phase else model)
     ctx.prefill_done_at = time.perf_counter()
     threads: Dict[int, _Thread] = {0: _Thread(0, None, 0, prompt[-1], False)}
+    if rule is not None:
+        rule.start(0, None)
     next_id = 1
     figures = {"steps": 0, "rows": 0, "attended": 0, "max_cached": cache.live_slots, "max_live": 1,
                "answer_tokens": 0, "control_tokens": 0, "dropped": 0,
@@ -172,12 +186,13 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
             chosen = ctx.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
         return chosen.astype(mx.int32)  # argmax gives uint32; the next step feeds these as ids
 
-    def build_step(order: List[int], tokens: mx.array, lora_on: List[bool]) -> mx.array:
+    def build_step(order: List[int], tokens: mx.array, lora_on: List[bool], step: int) -> mx.array:
         """The lazy graph of one step: every thread in `order` feeds its token. Returns (2, N)
         sampled tokens: row 0 with [Fork] allowed wherever the depth limit allows it, row 1 with
         [Fork] masked (what the thread writes if it may not fork; where a skeleton adapter's child
         starts). The host picks per thread by the step's fork rules (`_fork_allowed`), which it
-        knows before it reads the tokens. Allocates each row's slot in the cache now."""
+        knows before it reads the tokens. `step`: the step's number (the sibling rule's clock).
+        Allocates each row's slot in the cache now."""
         positions, mask = cache.begin_step(order, allow_contiguous=True)
         if skeleton:  # LoRA only for rows of threads that have forked; none: the plain base forward
             gate.value = mx.array(lora_on, dtype=mx.float32)[None, :, None] if any(lora_on) else None
@@ -188,6 +203,8 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
             logits = forward(model, tokens[None], cache, positions=positions, mask=mask, logits_for="all").logits[0]
         if processor is not None:
             logits = processor(order, logits)  # (N, V)
+        if rule is not None:
+            logits = rule.apply(logits, tokens, order, step)
         may_fork = _apply_rules(logits, control, [threads[t].depth < max_depth for t in order])
         return mx.stack([pick(may_fork), pick(_apply_rules(logits, control, [False] * len(order)))])
 
@@ -209,8 +226,9 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
             else:
                 order = list(threads)  # live thread ids; row r of this step is thread order[r]
                 tokens = mx.array([threads[t].pending for t in order])
-                chosen = build_step(order, tokens, [threads[t].skeleton for t in order])
+                chosen = build_step(order, tokens, [threads[t].skeleton for t in order], step_no + 1)
             queued = None
+            step_no += 1
             rows = [r for r, t in enumerate(order) if t in threads]  # the rows of live threads
             live = [order[r] for r in rows]
             allowed = _fork_allowed(threads, live, max_threads, max_depth)  # this step's rules
@@ -227,7 +245,7 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
                 written = mx.where(mx.array(allowed), live_rows[0], live_rows[1])  # what each writes
                 if base_phase:  # the original model has no [Fork] row: a fork drops this step anyway
                     written = mx.where(written == control.fork, live_rows[1], written)
-                queued = (live, build_step(live, written, [threads[t].skeleton for t in live]))
+                queued = (live, build_step(live, written, [threads[t].skeleton for t in live], step_no + 1))
                 mx.async_eval(queued[1])
             may_fork, no_fork = chosen.tolist()  # host sync (one per step), overlapped with the queued step
             values = [may_fork[r] if ok else no_fork[r] for r, ok in zip(rows, allowed)]
@@ -267,6 +285,9 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
                     next_id += 1
                     thread.pending, thread.after_control, thread.skeleton = value, True, True
                     figures["control_tokens"] += 1  # the parent's [Fork]
+                    if rule is not None:
+                        rule.forked(t, step_no)
+                        rule.start(child, t)
                     yield Step([], child, t, kind="thread_start")
                     if start in eos or start in line_breaks:  # the base would end here: an empty child
                         figures["empty_children"] += 1
@@ -274,16 +295,23 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
                         continue
                     cache.fork(t, child)
                     threads[child] = _Thread(child, t, thread.depth + 1, start, False)
+                    if rule is not None:  # its first token was sampled in the parent's row
+                        rule.wrote(child, start, step_no)
                     figures["answer_tokens"] += 1  # the child's first token
                     yield Step([start], child, t)
                 elif value == control.fork:
                     thread.pending, thread.after_control, thread.fork_child = value, True, next_id
                     figures["control_tokens"] += 2  # the parent's [Fork] and the child's [Child]
                     next_id += 1
+                    if rule is not None:
+                        rule.forked(t, step_no)
+                        rule.start(thread.fork_child, t)
                     yield Step([], thread.fork_child, t, kind="thread_start")
                 else:
                     thread.pending, thread.after_control = value, False
                     figures["answer_tokens"] += 1
+                    if rule is not None:
+                        rule.wrote(t, value, step_no)
                     yield Step([value], t, thread.parent)
             report()
     finally:
