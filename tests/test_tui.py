@@ -123,6 +123,7 @@ def test_panes_follow_thread_start_and_end_events(tmp_path):
 
     async def run():
         app = make_app(tmp_path, engine=engine, method="apar")
+        app.MAX_FRAME_S = app.FRAME_S  # a frame for every forward: this test looks at each
         async with app.run_test(size=(80, 24)) as pilot:
             await ask(pilot, "Tips for sleep?")
             step = 0

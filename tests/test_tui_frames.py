@@ -81,6 +81,7 @@ def test_streamed_answer_draws_what_a_one_shot_render_draws(tmp_path, monkeypatc
 
     async def run():
         app = make_app(tmp_path, FakeEngine(answer=LONG_ANSWER, delay=0.002), method="redrafter")
+        app.MAX_FRAME_S = app.FRAME_S  # many frames: each is checked
         async with app.run_test(size=(100, 30)) as pilot:
             await ask(pilot, "Why is the sky blue?")
             await until(pilot, lambda: app.last is not None and app.current is None)
@@ -239,5 +240,36 @@ def test_auto_says_in_the_status_bar_and_the_summary_what_it_chose(tmp_path):
             line = app.store.messages(app.last.conversation_id)[-1].stats["line"]
             assert line.startswith(f"auto chose redrafter: {AUTO_CHOICE['why']}")
             assert engine.calls[-1]["method"] == "auto"
+
+    asyncio.run(run())
+
+
+def test_dear_frames_are_spaced_to_keep_drawing_to_its_share(tmp_path, monkeypatch):
+    """A frame that costs the UI thread 20 ms of CPU: frames come at most every MAX_FRAME_S (20 ms
+    / UI_SHARE is more), not every FRAME_S, and the whole answer is still shown and saved."""
+    set_stream = MessageView.set_stream
+
+    def dear(self, segments, status=None, summary=None):
+        end = time.thread_time() + 0.02
+        while time.thread_time() < end:
+            pass
+        return set_stream(self, segments, status, summary)
+
+    monkeypatch.setattr(MessageView, "set_stream", dear)
+
+    async def run():
+        engine = FakeEngine(answer=LONG_ANSWER, delay=0.005)
+        app = make_app(tmp_path, engine, method="ar")
+        async with app.run_test(size=(100, 30)) as pilot:
+            await ask(pilot, "Why is the sky blue?")
+            await until(pilot, lambda: app.current is not None)
+            started = time.monotonic()
+            await until(pilot, lambda: app.last is not None and app.current is None, timeout=30)
+            elapsed = time.monotonic() - started
+            assert 0.02 / app.UI_SHARE > app.MAX_FRAME_S
+            assert app.last.frames <= elapsed / (0.8 * app.MAX_FRAME_S) + 2
+            [view] = [v for v in app.query(MessageView) if v.role == "assistant"]
+            assert view.text == LONG_ANSWER
+            assert app.store.messages(app.last.conversation_id)[-1].content == LONG_ANSWER
 
     asyncio.run(run())

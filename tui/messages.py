@@ -57,3 +57,5 @@ class Generation:
     events: int = 0  # engine events taken
     status_at: float = 0.0  # when the status bar last showed its figures (time.monotonic)
     status_due: bool = False  # an update of the status bar is scheduled
+    next_frame_at: float = 0.0  # the next frame is drawn no sooner (time.monotonic)
+    cpu_mark: Optional[float] = None  # the UI thread's CPU time when the last frame was drawn

@@ -142,7 +142,9 @@ class GenerationMixin:
     message appends to what is on screen, `MessageView.set_stream`). So the UI's cost follows the
     frame rate, not the engine's token rate, and an idle engine costs the UI nothing but the look."""
 
-    FRAME_S = 1 / 30
+    FRAME_S = 1 / 30  # the shortest time between two frames
+    UI_SHARE = 0.05  # frames are spaced so that drawing takes at most this share of the UI thread
+    MAX_FRAME_S = 0.25  # ... but never further apart than this
     STATUS_S = 1 / 4  # the status bar's figures change this often while an answer is written
 
     # -- asking -----------------------------------------------------------------------------
@@ -213,13 +215,18 @@ class GenerationMixin:
                     except Exception:  # noqa: BLE001
                         pass
 
-    def _take_events(self, gen: Generation) -> None:
-        """Once a frame: feed every event that came to the answer's state and, if any did, draw a
-        frame. The answer's "done" ends it at once."""
+    def _take_events(self, gen: Generation, now_or_never: bool = False) -> None:
+        """Every `FRAME_S`: when a frame is due and events came, feed them all to the answer's
+        state and draw one frame. A frame is due `UI_SHARE`'s worth of time after the previous one:
+        the UI thread's CPU time since then (that frame's drawing, the screen's update, the rest)
+        divided by the share, between `FRAME_S` and `MAX_FRAME_S`. So drawing costs the engine
+        little where a frame is dear, and a cheap frame is drawn at the full rate. The answer's
+        "done" ends it at once; `now_or_never` takes what is there whether a frame is due or not."""
         if gen.finished or gen is not self.current:
             return
         inbox, state, change = gen.inbox, gen.state, Change()
-        if not inbox:
+        now = time.monotonic()
+        if not inbox or (now < gen.next_frame_at and not now_or_never):
             return
         while inbox:
             step = state.feed(inbox.popleft())
@@ -229,6 +236,11 @@ class GenerationMixin:
                 return
             change.absorb(step)
         self._frame(gen, change)
+        cpu = time.thread_time()  # this (the UI) thread's
+        if gen.cpu_mark is not None:
+            gap = min(max((cpu - gen.cpu_mark) / self.UI_SHARE, self.FRAME_S), self.MAX_FRAME_S)
+            gen.next_frame_at = now + gap
+        gen.cpu_mark = cpu
 
     def _frame(self, gen: Generation, change: Change) -> None:
         """One frame of a streaming answer: save what is shown, then show what changed since the
@@ -286,7 +298,7 @@ class GenerationMixin:
         gen = self.current
         if gen is None or gen.finished or message.gen_id != gen.id:
             return
-        self._take_events(gen)  # what the worker queued before it ended (its "done" finishes it)
+        self._take_events(gen, now_or_never=True)  # what the worker queued before it ended (its "done" finishes it)
         if gen.finished:
             return
         if message.error:
