@@ -1,4 +1,4 @@
-"""`mlx-specdec`: generate, chat, serve, bench, calibrate, train-drafter, convert, quantize, fetch.
+"""`mlx-specdec`: generate, chat, serve, bench, calibrate, train-drafter, import-drafter, convert, quantize, fetch.
 
 Errors a user can cause end in one line on stderr and exit status 1 (a setting the chosen method
 cannot apply: 2, as argparse's usage errors); Ctrl-C exits 130.
@@ -15,10 +15,11 @@ from typing import List, Optional
 import mlx_specdec  # noqa: F401  (preloads BLAS before any mlx import)
 
 from ..errors import run_guarded
-from . import bench, calibrate, chat, generate, models, serve, train
+from . import bench, calibrate, chat, generate, import_drafter, models, serve, train
 
-#: generate, chat, serve, bench, calibrate, train-drafter, train-apar, train-fork-probe, convert, fetch, quantize
-COMMANDS = (generate, chat, serve, bench, calibrate, train, models)
+#: generate, chat, serve, bench, calibrate, train-drafter, train-apar, train-fork-probe, import-drafter,
+#: convert, fetch, quantize
+COMMANDS = (generate, chat, serve, bench, calibrate, train, import_drafter, models)
 
 
 def build_parser() -> argparse.ArgumentParser:

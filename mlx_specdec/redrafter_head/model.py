@@ -18,6 +18,13 @@ With output="llm_head" (an EAGLE-like low-rank output) the head only learns a D-
 the K x D output rows are the LLM's own (frozen, not stored: taken from the LLM at load time).
 Far fewer trained parameters (a learned K-wide projection overfits a small distillation set),
 and training can also regress the predicted hidden state onto the LLM's real next hidden state.
+
+Three config fields describe heads trained elsewhere (Apple's `recurrent_drafting`, imported by
+`mlx-specdec import-drafter`); their defaults are the head above:
+    initial_state="zero"   s_0 = 0 and s_1 = next_state(0, e_1) instead of s_1 = e_1
+    recurrence="sum"       s_t = s_{t-1} + e_t (no U, W, b)
+    exit_dim=F             g <- Linear(g, F) before the blocks, which are then F wide
+    logits_top_k=k         logits below the k-th largest are pushed 50000 below the largest
 """
 
 from __future__ import annotations
@@ -59,6 +66,10 @@ class DrafterConfig:
     # drafter_calibration.py). 1 for a head trained on hard labels; below 1 sharpens a head trained
     # on the LLM's soft distribution, whose probabilities are the LLM's, not greedy acceptance's.
     confidence_temperature: float = 1.0
+    recurrence: str = "rnn"  # "rnn": s_t = SiLU(U s + W e + b) | "sum": s_t = s_{t-1} + e_t
+    initial_state: str = "embedding"  # "embedding": s_1 = e_1 | "zero": s_1 = next_state(0, e_1)
+    exit_dim: int = 0  # > 0: an input projection [s, h] -> exit_dim ahead of the blocks
+    logits_top_k: int = 0  # > 0: only the k largest logits keep their value (the rest ~ -inf)
 
     @property
     def width(self) -> int:
@@ -78,14 +89,22 @@ class DrafterHead(nn.Module):
         super().__init__()
         self.config = config
         E, D, K = config.embed_size, config.llm_hidden_size, config.draft_vocab_size
-        self.U = nn.Linear(E, E, bias=False)
-        self.W = nn.Linear(E, E, bias=True)  # its bias is b
-        self.blocks = [nn.Linear(D + E, D + E) for _ in range(config.num_blocks)]
+        if config.recurrence == "rnn":
+            self.U = nn.Linear(E, E, bias=False)
+            self.W = nn.Linear(E, E, bias=True)  # its bias is b
+        elif config.recurrence != "sum":
+            raise ValueError(f"unknown drafter recurrence {config.recurrence!r}")
+        if config.initial_state not in ("embedding", "zero"):
+            raise ValueError(f"unknown drafter initial_state {config.initial_state!r}")
+        F = config.exit_dim or D + E  # the blocks' width
+        if config.exit_dim:
+            self.input_proj = nn.Linear(D + E, F)
+        self.blocks = [nn.Linear(F, F) for _ in range(config.num_blocks)]
         if config.output == "llm_head":
-            self.to_hidden = nn.Linear(D + E, D)
+            self.to_hidden = nn.Linear(F, D)
             self._output_rows = None  # (K, D) the LLM's output rows: `attach_output_rows`
         elif config.output == "draft_vocab":
-            self.proj = nn.Linear(D + E, K)
+            self.proj = nn.Linear(F, K)
         else:
             raise ValueError(f"unknown drafter output {config.output!r}")
         if draft_to_full is None:
@@ -115,9 +134,13 @@ class DrafterHead(nn.Module):
         return self._full_to_draft
 
     def initial_state(self, token_embedding: mx.array) -> mx.array:
+        if self.config.initial_state == "zero":
+            return self.next_state(mx.zeros_like(token_embedding), token_embedding)
         return token_embedding  # s_1 = e_1   (..., E)
 
     def next_state(self, state: mx.array, token_embedding: mx.array) -> mx.array:
+        if self.config.recurrence == "sum":
+            return state + token_embedding
         return nn.silu(self.U(state) + self.W(token_embedding))  # (..., E)
 
     def attach_output_rows(self, rows: mx.array) -> None:
@@ -128,6 +151,8 @@ class DrafterHead(nn.Module):
         if hidden.shape[:-1] != state.shape[:-1]:
             hidden = mx.broadcast_to(hidden, state.shape[:-1] + hidden.shape[-1:])
         g = mx.concatenate([state, hidden.astype(state.dtype)], axis=-1)  # (..., D+E)
+        if self.config.exit_dim:
+            g = self.input_proj(g)  # (..., F)
         for block in self.blocks:
             g = g + nn.silu(block(g))
         return g
@@ -140,8 +165,17 @@ class DrafterHead(nn.Module):
         if self.config.output == "llm_head":
             if self._output_rows is None:
                 raise ValueError("attach the LLM's output rows first (load_drafter does)")
-            return self.predict_hidden(state, hidden) @ self._output_rows.T  # (..., K)
-        return self.proj(self.features(state, hidden))  # (..., K)
+            logits = self.predict_hidden(state, hidden) @ self._output_rows.T  # (..., K)
+        else:
+            logits = self.proj(self.features(state, hidden))  # (..., K)
+        k = self.config.logits_top_k
+        if 0 < k < logits.shape[-1]:
+            # Apple's drafter keeps its top k (ties included) and sets the rest 50000 below the
+            # largest, so that its beam scores are log-probabilities over those k tokens.
+            kth = mx.min(mx.topk(logits, k, axis=-1), axis=-1, keepdims=True)
+            floor = mx.max(logits, axis=-1, keepdims=True) - 50000.0
+            logits = mx.where(logits < kth, floor, logits)
+        return logits
 
     def num_params(self) -> int:
         from mlx.utils import tree_flatten
