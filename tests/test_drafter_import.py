@@ -198,3 +198,6 @@ def test_import_errors_are_one_line(tmp_path, model_dir, capsys):
         assert "torch is not installed" in run_import(capsys, tmp_path / "bin", model_dir, out)
     assert "no drafter directory" in run_import(capsys, tmp_path / "nowhere", model_dir, out)
     assert not out.exists()
+    _, _, made = import_head(tmp_path, model_dir)
+    capsys.readouterr()
+    assert "already holds a head" in run_import(capsys, tmp_path / "apple", model_dir, made)

@@ -26,10 +26,17 @@ def add_parser(sub) -> None:
     p.set_defaults(func=cmd_import_drafter)
 
 
-def _check_sizes(cfg: dict, lm, src: Path) -> None:
-    from ..redrafter_head.model import llm_shapes
+def _model_sizes(lm) -> tuple:
+    """(hidden size, vocabulary size) from the model's config.json: its weights are not needed."""
+    config = lm.config.get("text_config") or lm.config
+    try:
+        return int(config["hidden_size"]), int(config["vocab_size"])
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"{lm.path}/config.json states no hidden_size and vocab_size") from None
 
-    hidden, _, vocab = llm_shapes(lm)
+
+def _check_sizes(cfg: dict, lm, src: Path) -> None:
+    hidden, vocab = _model_sizes(lm)
     if cfg["hidden_size"] != hidden:
         raise UserError(f"{src}: the drafter's hidden_size is {cfg['hidden_size']}, but {lm.name} has "
                         f"hidden size {hidden}: it was trained for another model")
@@ -67,10 +74,9 @@ Apple's tensor names map to ours as `rnn_w` -> `W`, `rnn_u` -> `U` (its bias -> 
 def cmd_import_drafter(args) -> int:
     import mlx.core as mx
 
-    from ..model.loader import load_model
+    from ..model.loader import load_tokenizer_only
     from ..redrafter_head import apple
-    from ..redrafter_head.model import CONFIG_FILE, DrafterConfig, DrafterHead, load_drafter, save_drafter, \
-        tokenizer_hash
+    from ..redrafter_head.model import CONFIG_FILE, DrafterConfig, DrafterHead, save_drafter, tokenizer_hash
 
     src = Path(args.source).expanduser()
     out = Path(args.output).expanduser()
@@ -79,8 +85,9 @@ def cmd_import_drafter(args) -> int:
     if (out / CONFIG_FILE).exists() and not args.force:
         raise UserError(f"{out} already holds a head (--force overwrites it)")
     cfg = apple.read_apple_config(src)
-    print(f"Loading {args.model}...", file=sys.stderr, flush=True)
-    lm = load_model(args.model)
+    lm = load_tokenizer_only(args.model)  # the sizes and the tokenizer: the weights stay on disk
+    if args.model not in (None, "", "default") and not Path(args.model).exists():
+        lm.name = args.model  # a hub id, as `load_model` names it
     _check_sizes(cfg, lm, src)
     weights = apple.read_apple_weights(src)
     apple.check_weights(src, cfg, weights)
@@ -89,11 +96,10 @@ def cmd_import_drafter(args) -> int:
     config = DrafterConfig(**fields, model_name=lm.name, tokenizer_hash=tokenizer_hash(lm.tokenizer))
     head = DrafterHead(config)
     head.load_weights([(k, mx.array(v)) for k, v in converted.items()], strict=True)
-    dtype = apple.source_dtype(src, cfg) or "float32"
+    dtype = apple.source_dtype(cfg) or "float32"
     save_drafter(head, out, dtype=getattr(mx, dtype))
     (out / "CARD.md").write_text(_card(src, cfg, fields, lm, dtype))
-    load_drafter(out, lm)  # the head reads back for this model as `--drafter` will read it
-    print(f"wrote {out}: {head.num_params() / 1e6:.1f} M parameters, {cfg['num_draft_layers']} blocks, "
+    print(f"wrote {out}: {head.num_params():,} parameters, {cfg['num_draft_layers']} blocks, "
           f"rnn={str(cfg.get('rnn', False)).lower()}; use it with --model {args.model} --drafter {out}",
           file=sys.stderr)
     return 0

@@ -176,6 +176,7 @@ def convert(cfg: dict, weights: Dict[str, np.ndarray], top_k: int = APPLE_TOP_K)
     return fields, out
 
 
-def source_dtype(src: Path, cfg: dict) -> Optional[str]:
+def source_dtype(cfg: dict) -> Optional[str]:
+    """The float dtype the checkpoint states it was saved in, where it is one MLX has."""
     dtype = cfg.get("torch_dtype")
     return dtype if dtype in ("float32", "float16", "bfloat16") else None
