@@ -27,7 +27,7 @@ from .errors import UserError
 #: the GenerationParams fields that are penalties, and the value that turns each off
 OFF = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
 #: methods that apply them exactly (`auto` picks ar or redrafter); the others refuse a request that sets one
-SUPPORTED = ("ar", "mlx-lm", "redrafter", "auto")
+SUPPORTED = ("ar", "mlx-lm", "redrafter", "triforce", "auto")
 
 
 class Unsupported(UserError):
@@ -196,6 +196,44 @@ class NoPenalties:
 
     def select_rows(self, keep) -> None:
         pass
+
+
+class _Chain:
+    """A chain of L tokens as `TreePenalties.nodes` sees a packed tree: node j is (beam 0, depth j)."""
+
+    def __init__(self, length: int):
+        self.index = np.arange(length)[None]  # (W = 1, L)
+        self.depths = np.arange(length)
+
+
+class ChainPenalties:
+    """One sequence verified a chain at a time (TriForce's two levels): in a verify of `fed`, the
+    position that writes the token after fed[j] is penalized by its own text, `text` (the prompt
+    and the answer so far, fed[0] last) then fed[1 : j + 1]. The counts come from `text` each time,
+    so a level that drops what it wrote (a rejected round) has nothing to undo."""
+
+    def __init__(self, pen: Penalties, prompt_length: int, vocab: int):
+        self.pen, self.prompt_length, self.vocab = pen, prompt_length, vocab
+
+    def _tree(self, text: Sequence[int]) -> TreePenalties:
+        tree = TreePenalties(self.pen, [text], self.vocab)
+        if self.pen.counts:
+            answer = np.asarray(text[self.prompt_length:], dtype=np.int64)
+            tree.counts = mx.array(np.bincount(answer, minlength=self.vocab)[None].astype(np.float32))
+        return tree
+
+    def first(self, logits: mx.array, text: Sequence[int]) -> mx.array:
+        """logits (1, V) after `text` with nothing drafted (the prompt's last position)."""
+        return self._tree(text).first(logits)
+
+    def chain(self, logits: mx.array, text: Sequence[int], fed: Sequence[int]) -> mx.array:
+        """logits (1, k + 1, V) of a forward of `fed` after `text` (which ends with fed[0])."""
+        return self._tree(text).nodes(logits, np.array([[list(fed)]]), [_Chain(len(fed))])
+
+
+def for_chain(params, prompt_length: int, vocab: int) -> Optional[ChainPenalties]:
+    pen = Penalties.of(params)
+    return None if pen is None else ChainPenalties(pen, prompt_length, vocab)
 
 
 def for_rows(params, prompts: Sequence[Sequence[int]], vocab: int):

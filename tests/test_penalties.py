@@ -2,7 +2,7 @@
 (frequency, presence, over the answer so far); `ar` with penalties writes what a naive loop (a
 full forward per token, penalize, argmax) writes; every lossless method writes `ar`'s answer with
 the same penalties, token for token; a verified tree's every node is penalized by its own path;
-a method that cannot apply a penalty refuses it in one line."""
+a method that cannot apply a penalty refuses it in one line. TriForce's: test_triforce_penalties.py."""
 
 from __future__ import annotations
 
@@ -230,7 +230,7 @@ def test_redrafter_samples_with_penalties(sampled_drafts):
     assert first != greedy
 
 
-@pytest.mark.parametrize("method", ["triforce", "apar"])
+@pytest.mark.parametrize("method", ["apar"])
 def test_a_method_that_cannot_apply_a_penalty_refuses_it(method):
     engine = Engine(make_tiny_lm(), drafter=None)
     with pytest.raises(Unsupported, match=f"^frequency_penalty: not supported by {method}$"):
@@ -245,7 +245,7 @@ def test_refusals_are_one_line_on_the_cli_and_a_400_on_the_server(tmp_path):
     from mlx_specdec.serve.requests import ApiError, parse
 
     model = save_tiny_model_dir(tmp_path / "tiny")
-    for extra in (["--method", "triforce"], ["--method", "pp-ar", "--ranks", "2"]):
+    for extra in (["--method", "pp-ar", "--ranks", "2"],):
         result = subprocess.run([sys.executable, "-m", "mlx_specdec.cli", "generate", "-m", str(model), "-p", "w5",
                                  "--repetition-penalty", "1.2", *extra], capture_output=True, text=True, timeout=120)
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
@@ -258,13 +258,13 @@ def test_refusals_are_one_line_on_the_cli_and_a_400_on_the_server(tmp_path):
         def encode_chat(self, messages):
             return [1, 2, 3]
 
-    body = {"messages": [{"role": "user", "content": "hi"}], "method": "triforce", "presence_penalty": 0.4}
+    body = {"messages": [{"role": "user", "content": "hi"}], "method": "apar", "presence_penalty": 0.4}
     with pytest.raises(ApiError) as error:
-        parse(body, LM(), "m", ["ar", "triforce"], "ar", chat=True)
+        parse(body, LM(), "m", ["ar", "apar"], "ar", chat=True)
     assert error.value.status == 400 and error.value.param == "presence_penalty"
-    assert error.value.message == "presence_penalty: not supported by triforce"
+    assert error.value.message == "presence_penalty: not supported by apar"
     # a default penalty (the model's) is left out where the method cannot apply it, not refused
-    request = parse({**body, "presence_penalty": None}, LM(), "m", ["ar", "triforce"], "ar", chat=True,
+    request = parse({**body, "presence_penalty": None}, LM(), "m", ["ar", "apar"], "ar", chat=True,
                     defaults={"temperature": 0.5, "repetition_penalty": 1.2})
     assert request.params.temperature == 0.5 and request.params.repetition_penalty == 1.0
 

@@ -22,6 +22,10 @@ every token, so the output is the target's own (`ar`'s). Sampling, exact at both
             from norm(max(0, p - p^)); all accepted: a bonus token from p. Output ~ the target's
             own sampling (`ar`'s distribution).
 
+Penalties (frequency, presence, repetition) change p and p^ alike: at both levels each position is
+penalized by its own text, the prompt, the answer and the chain before it (`penalties.ChainPenalties`),
+so greedy stays `ar`'s answer with the same penalties and sampling follows the penalized target.
+
 After each top verify the retrieval cache forgets its own tokens and takes the accepted ones'
 keys and values from the full cache (as the reference code copies them), so both caches hold
 the same text, and the bottom's text is cut back to what the top level committed. The
@@ -43,6 +47,7 @@ from ..cache.retrieval import attention_recall
 from ..drafting.middle import Bottom, ChainVerifier, MiddleLevelProposer
 from ..errors import UserError
 from ..model.forward import forward
+from ..penalties import for_chain
 from .base import DecodeContext, Step, keep_prefix, prefilled_cache
 from .triforce_bottom import BOTTOMS, DEFAULT_BOTTOM, make_bottom  # noqa: F401  (BOTTOMS: the choices)
 
@@ -88,12 +93,15 @@ def triforce(ctx: DecodeContext) -> Iterator[Step]:
     # before the prefill, so that a missing draft model or head costs no long prefill
     vocab = ctx.lm.model.model.embed_tokens.weight.shape[0]
     bottom = Bottom(make_bottom(s["bottom"], ctx, s["draft_length"], vocab), vocab, sampling=not ctx.params.greedy)
+    penalties = for_chain(ctx.params, len(prompt), vocab)  # None: every penalty off
 
     window = min(s["score_window"], len(prompt))
     full = prefilled_cache(ctx, prompt[:-window])  # resumed from the last turn's prompt in a chat
     recorder = QueryRecorder(full)  # the last prompt tokens' queries score the prompt's chunks
     first = forward(model, mx.array(prompt[-window:])[None], recorder, logits_for="last")
     logits = first.logits[:, -1]  # (1, V)
+    if penalties is not None:
+        logits = penalties.first(logits, prompt)
     token = int(ctx.sampler(logits - mx.logsumexp(logits, keepdims=True)).item())  # host sync
     hidden = first.hidden[:, -1]  # (1, D): the state that wrote `token` (the ReDrafter head reads it)
     stats.forward_passes += 1
@@ -107,8 +115,9 @@ def triforce(ctx: DecodeContext) -> Iterator[Step]:
     # how much of the last prompt token's attention the kept positions hold (one softmax over
     # the prompt per layer, once): what a budget sees
     recall = attention_recall(recorder.queries(), full, middle_cache.positions)
-    top = ChainVerifier(model, full, ctx.params)
-    middle = MiddleLevelProposer(model, full, middle_cache, bottom, gamma, ctx.params)
+    top = ChainVerifier(model, full, ctx.params, penalties)
+    middle = MiddleLevelProposer(model, full, middle_cache, bottom, gamma, ctx.params, penalties)
+    text = list(prompt) + [token]  # the prompt and the answer, the next token to verify last
     middle.begin([prompt])
     counts = dict(top_drafted=0, top_accepted=0, top_forwards=0, rebuilds=0)
     rolling = deque(maxlen=ROLLING_ROUNDS)  # per round: accepted / drafted at the top verify
@@ -132,7 +141,8 @@ def triforce(ctx: DecodeContext) -> Iterator[Step]:
                 and sum(rolling) / len(rolling) < s["rebuild_below"])
             scorer = QueryRecorder(full) if due else None  # this verify's queries score the rebuild
             top.cache = scorer or full
-            n, following, _, states = top.verify([token] + drafts, handed_up)
+            n, following, _, states = top.verify([token] + drafts, handed_up, text)
+            text += drafts[:n] + [following]
             hidden = states[:, n]
             top.cache = full
             stats.forward_passes += 1

@@ -31,6 +31,7 @@ import mlx.core as mx
 
 from ..acceptance import greedy_accept, sample_probs, sampling_accept, target_probs
 from ..model.forward import forward
+from ..penalties import ChainPenalties
 from .base import Proposal, Proposer, ProposerDefaults, RunningRate, one_hot_probs
 
 
@@ -77,21 +78,23 @@ class Bottom:
 class ChainVerifier:
     """The target model over one cache, verifying a chain: greedy or exact sampling."""
 
-    def __init__(self, model, cache, params):
-        self.model, self.cache = model, cache
+    def __init__(self, model, cache, params, penalties: Optional[ChainPenalties] = None):
+        self.model, self.cache, self.penalties = model, cache, penalties
         self.greedy, self.temperature, self.top_p = params.greedy, params.temperature, params.top_p
 
-    def verify(self, fed: List[int], draft_probs: Optional[mx.array]):
-        """One forward of `fed` (the last token, then k drafts) over the cache. Returns (drafts
+    def verify(self, fed: List[int], draft_probs: Optional[mx.array], text: Sequence[int] = ()):
+        """One forward of `fed` (the last token, then k drafts) over the cache; `text` (the prompt
+        and the answer, fed[0] last) is what the penalties, if any, count. Returns (drafts
         accepted n, the next token, the distributions of the n + 1 tokens written (k+1, V) or
         None when greedy, the hidden states (1, k+1, D)). The one host sync of a verify."""
         out = forward(self.model, mx.array([fed]), self.cache, logits_for="all")  # logits (1, k+1, V)
+        logits = out.logits if self.penalties is None else self.penalties.chain(out.logits, text, fed)
         beams = mx.array([fed])  # one beam of k + 1 tokens
         if self.greedy:
-            accepted, probs = greedy_accept(beams, out.logits), None
+            accepted, probs = greedy_accept(beams, logits), None
             num_accepted, next_token = accepted.num_accepted, accepted.next_token
         else:
-            probs = target_probs(out.logits[0], self.temperature, self.top_p)  # (k+1, V): p at each depth
+            probs = target_probs(logits[0], self.temperature, self.top_p)  # (k+1, V): p at each depth
             if len(fed) == 1:  # nothing drafted: the level's own sample
                 num_accepted, next_token = mx.array(0), sample_probs(probs[0])
             else:
@@ -108,9 +111,11 @@ class MiddleLevelProposer(RunningRate, ProposerDefaults):
 
     width = 1
 
-    def __init__(self, model, full, cache, bottom, gamma: int, params):
+    def __init__(self, model, full, cache, bottom, gamma: int, params,
+                 penalties: Optional[ChainPenalties] = None):
         self.full, self.bottom, self.gamma = full, bottom, gamma
-        self.level = ChainVerifier(model, cache, params)
+        self.level = ChainVerifier(model, cache, params, penalties)
+        self.text: List[int] = []  # the prompt and what the top level committed
         self.length = gamma + 1
         self.forwards = self.drafted = self.accepted = 0  # the bottom's drafts at this level
         self._round_own = 0  # the small cache's own tokens when this round began (all committed)
@@ -125,6 +130,7 @@ class MiddleLevelProposer(RunningRate, ProposerDefaults):
 
     def begin(self, prompts: Sequence[Sequence[int]]) -> None:
         """One row: the prompt (the small cache holds it already) is the bottom's text."""
+        self.text = list(prompts[0])
         self.bottom.begin(prompts[0])
 
     def collect(self, token: int, hidden: Optional[mx.array]) -> Tuple[List[int], Optional[mx.array]]:
@@ -134,9 +140,11 @@ class MiddleLevelProposer(RunningRate, ProposerDefaults):
         drafts: List[int] = []
         rows: List[mx.array] = []
         x = token
+        text = self.text + [x]  # this level's text, x last
         while len(drafts) < self.gamma:
             candidates, q = self.bottom.draft(x, hidden)
-            n, own, probs, states = self.level.verify([x] + candidates, q)
+            n, own, probs, states = self.level.verify([x] + candidates, q, text)
+            text += candidates[:n] + [own]
             self.forwards += 1
             self.drafted += len(candidates)
             self.accepted += n
@@ -158,6 +166,7 @@ class MiddleLevelProposer(RunningRate, ProposerDefaults):
     def commit(self, tokens: Sequence[Sequence[int]]) -> None:
         """tokens[0]: what the top level kept this round (the full cache already holds it)."""
         kept = list(tokens[0])
+        self.text += kept
         self.bottom.rollback(self._round_base)  # the bottom's text: what the top level committed
         self.bottom.commit(kept)
         self.cache.trim(self.cache.layers[0].own - self._round_own)
