@@ -10,7 +10,7 @@ Everything the CLI, the bench and the chat app do goes through `Engine.generate`
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Union
 
 from .cache.prefix import PrefixStore
 from .decoding import STRATEGIES, Event, GenerationParams, stream_events
@@ -48,7 +48,9 @@ def apar_adapter_spec(value: str) -> Optional[str]:
     return None if value == "none" else value
 
 
-PREFIX_METHODS = ("ar", "triforce")  # strategies that resume from the prefix store
+#: strategies that resume from the prefix store (through decoding/base.py's `prefilled_cache`;
+#: `ar` also as a row of the server's continuous batch); only these report cached prompt tokens
+PREFIX_METHODS = ("ar", "triforce")
 
 
 def check_same_tokenizer(lm: LoadedModel, draft: LoadedModel) -> None:
@@ -62,24 +64,26 @@ def check_same_tokenizer(lm: LoadedModel, draft: LoadedModel) -> None:
 class Engine:
     def __init__(self, lm: LoadedModel, drafter: Optional[str] = "auto",
                  apar_adapter: Optional[str] = "auto", draft_model: Optional[LoadedModel] = None,
-                 reuse_prefix: bool = False):
+                 reuse_prefix: Union[bool, PrefixStore] = False):
         """draft_model: a small model with lm's tokenizer (triforce's `--bottom model`).
-        reuse_prefix: keep the last prompt's KV cache and resume the next request from the
-        longest common prefix (`cache/prefix.py`; ar and triforce). A chat wants it; a bench
-        must not have it (a second method would skip its prefill)."""
+        reuse_prefix: keep recent prompts' KV caches and resume each request from the one sharing
+        the longest prefix (`cache/prefix.py`; the PREFIX_METHODS): True for a store with the
+        default bounds, or the store itself. A chat or a server wants it; a bench must not have it
+        (a second method would skip its prefill)."""
         self.lm = lm
         self.drafter_spec = drafter
         self.apar_adapter_spec = apar_adapter
         self._resources: Dict[str, object] = {}
         self.draft_model = draft_model
-        self.prefix_store = PrefixStore() if reuse_prefix else None
+        self.prefix_store = reuse_prefix if isinstance(reuse_prefix, PrefixStore) else (
+            PrefixStore() if reuse_prefix else None)
         if draft_model is not None:
             check_same_tokenizer(lm, draft_model)
 
     @classmethod
     def load(cls, model: Optional[str] = "default", dtype: str = "auto",
              drafter: Optional[str] = "auto", apar_adapter: Optional[str] = "auto",
-             draft_model: Optional[str] = None, reuse_prefix: bool = False, dequantize: str = "auto") -> "Engine":
+             draft_model: Optional[str] = None, reuse_prefix: Union[bool, PrefixStore] = False, dequantize: str = "auto") -> "Engine":
         """drafter / apar_adapter: 'auto' (one shipped in models/ for this model, if any), a
         directory, or None (the command line's 'none'). draft_model: a model spec as `model` (triforce's bottom level).
         dequantize: a quantized model's weights expanded once at load (auto: on the CPU when

@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 
+from ..cache.prefix import DEFAULT_MAX_ENTRIES, PrefixStore
 from ..errors import UserError
 from .args import DRAFTER_HELP, METHODS_HELP, _add_model_args, load_engine
 
@@ -28,7 +29,28 @@ def add_parser(sub) -> None:
     p.add_argument("--max-batch", type=int, default=8,
                    help="at most this many waiting requests decoded together where the method batches "
                         "(redrafter; 1 = one request at a time; default: 8)")
+    p.add_argument("--prompt-cache-bytes", type=_size, default=None, metavar="BYTES",
+                   help="KV cache bytes kept for resuming conversations (an LRU over several; e.g. 512M, 2G; "
+                        "0 = off; default: 2G, or an eighth of this machine's memory where that is less)")
+    p.add_argument("--prompt-cache-entries", type=int, default=DEFAULT_MAX_ENTRIES, metavar="N",
+                   help=f"conversations the prompt cache keeps (0 = off; default: {DEFAULT_MAX_ENTRIES})")
     p.set_defaults(func=cmd_serve)
+
+
+def _size(text: str) -> int:
+    """Bytes from '1073741824', '512M', '2G', '1.5GB' (binary units)."""
+    import argparse
+
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    value = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = units.get(value[-1:], 1)
+    try:
+        number = float(value[:-1] if unit > 1 else value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (a number of bytes, or with K, M, G: 512M, 2G)")
+    if not number >= 0 or number == float("inf"):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (at least 0)")
+    return int(number * unit)
 
 
 def cmd_serve(args) -> int:
@@ -39,6 +61,10 @@ def cmd_serve(args) -> int:
         raise UserError(f"--port must be 1-65535, not {args.port}")
     if args.max_batch < 1:
         raise UserError(f"--max-batch must be at least 1, not {args.max_batch}")
+    if args.prompt_cache_entries < 0:
+        raise UserError(f"--prompt-cache-entries must be at least 0, not {args.prompt_cache_entries}")
+    store = PrefixStore(args.prompt_cache_bytes, args.prompt_cache_entries)
+    prompt_cache = store if store.max_bytes > 0 and store.max_entries > 0 else False  # False: no cache
     try:
         import uvicorn
 
@@ -48,7 +74,7 @@ def cmd_serve(args) -> int:
         raise UserError(f"serve needs starlette and uvicorn ({exc.name} is missing): pip install starlette uvicorn")
     _check_port_free(args.host, args.port)  # before the model loads, not after
     # the engine loads on the generation thread, which makes every MLX call (serve/worker.py)
-    worker = GenerationWorker(lambda: load_engine(args, reuse_prefix=True), max_batch=args.max_batch)
+    worker = GenerationWorker(lambda: load_engine(args, reuse_prefix=prompt_cache), max_batch=args.max_batch)
     app = create_app(worker, method=args.method, api_key=args.api_key, model_spec=args.model)
     print(f"serving {worker.engine.lm.name} ({args.method}) on http://{args.host}:{args.port}/v1 (Ctrl-C stops)",
           file=sys.stderr, flush=True)

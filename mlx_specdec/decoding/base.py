@@ -62,6 +62,7 @@ class Step:
 class GenerationStats:
     method: str
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens resumed from the prefix store, not prefilled again
     generated_tokens: int = 0
     prefill_s: float = 0.0
     ttft_s: float = 0.0
@@ -75,7 +76,8 @@ class GenerationStats:
 
     @property
     def prefill_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+        prefilled = self.prompt_tokens - self.cached_tokens
+        return prefilled / self.prefill_s if self.prefill_s > 0 else 0.0
 
     @property
     def decode_tokens(self) -> int:
@@ -90,8 +92,9 @@ class GenerationStats:
         return self.generated_tokens / self.forward_passes if self.forward_passes else 0.0
 
     def summary(self) -> str:
+        cached = f" ({self.cached_tokens} cached)" if self.cached_tokens else ""
         line = (
-            f"[{self.method}] prompt {self.prompt_tokens} tok, prefill {self.prefill_tps:.1f} tok/s | "
+            f"[{self.method}] prompt {self.prompt_tokens} tok{cached}, prefill {self.prefill_tps:.1f} tok/s | "
             f"{self.generated_tokens} tok, decode {self.decode_tps:.1f} tok/s, "
             f"{self.tokens_per_forward:.2f} tok/forward | TTFT {self.ttft_s * 1000:.0f} ms | "
             f"peak {self.peak_memory_mb:.0f} MB | {self.finish_reason}"
@@ -221,7 +224,8 @@ def prefilled_cache(ctx: DecodeContext, tokens: Sequence[int]) -> ContiguousKVCa
         cache, reused = new_contiguous_cache(ctx), 0
     else:
         cache, reused = store.take(ctx.lm.model, tokens)
-        ctx.stats.extra["prefix_reused"] = reused
+        ctx.stats.cached_tokens = reused
+        ctx.stats.extra["prefix_reused"] = reused  # the chat app's name for it
     prefill(ctx, cache, list(tokens)[reused:])
     return cache
 

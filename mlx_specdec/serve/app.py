@@ -10,8 +10,9 @@ carries the token counts; `speculation` the method's figures (tokens per forward
 of drafted, the method's own statistics); `sampling` the sampling the answer was written with
 (the request's fields, the rest the model's defaults). Requests queue first come first served on one
 generation thread (worker.py); a client that disconnects is stopped at its next event and its
-cache rolled back. The engine keeps the conversation prefix cache (a follow-up that repeats the
-earlier messages does not prefill them again).
+cache rolled back. The engine keeps a prompt cache over several conversations (cache/prefix.py:
+LRU, bounded in entries and bytes): a follow-up that repeats the earlier messages does not prefill
+them again, and `usage.prompt_tokens_details.cached_tokens` says how many it skipped.
 """
 
 from __future__ import annotations
@@ -70,8 +71,12 @@ async def _next_item(job: Job, request: HttpRequest, state: dict):
 
 
 def _usage(prompt_tokens: int, stats) -> dict:
+    """OpenAI's usage; prompt_tokens_details.cached_tokens: the prompt tokens resumed from the
+    prompt cache (a method that cannot resume from it reports 0)."""
     completion = stats.generated_tokens if stats is not None else 0
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    cached = getattr(stats, "cached_tokens", 0) if stats is not None else 0
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def create_app(worker: GenerationWorker, method: str = "ar", api_key: Optional[str] = None,
@@ -167,8 +172,10 @@ def create_app(worker: GenerationWorker, method: str = "ar", api_key: Optional[s
         worker.stop()  # the generation thread ends after the request it is on
 
     async def health(request: HttpRequest):
+        store = getattr(engine, "prefix_store", None)
+        cache = {"entries": store.entries, "bytes": store.nbytes, "max_bytes": store.max_bytes} if store else None
         return JSONResponse({"status": "ok", "model": model_id, "waiting": worker.waiting, "running": worker.running,
-                             "stalled": worker.stalled})
+                             "stalled": worker.stalled, "prompt_cache": cache})
 
     app = Starlette(routes=[Route("/v1/chat/completions", chat_completions, methods=["POST"]),
                             Route("/v1/completions", completions, methods=["POST"]),
