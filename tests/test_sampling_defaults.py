@@ -32,7 +32,8 @@ def test_generation_config_is_read_as_hugging_face_reads_it(tmp_path, config, wa
 def test_an_explicit_field_wins_and_a_default_penalty_stays_off_where_it_cannot_apply():
     defaults = dict(temperature=0.6, top_p=0.9, repetition_penalty=1.1)
     assert fill({"temperature": 0.0}, defaults, "ar") == dict(temperature=0.0, top_p=0.9, repetition_penalty=1.1)
-    assert fill({}, defaults, "triforce") == dict(temperature=0.6, top_p=0.9)
+    assert fill({}, defaults, "apar") == dict(temperature=0.6, top_p=0.9)
+    assert fill({}, defaults, "triforce") == defaults  # triforce applies penalties too
 
 
 def generate(model, *extra):
