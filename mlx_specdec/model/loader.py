@@ -61,7 +61,12 @@ class LoadedModel:
 
     @property
     def context_length(self) -> int:
-        return int(self.config.get("max_position_embeddings") or 4096)
+        """The model's window; for a model with sliding-window layers at most that window: the
+        forward (forward.py) attends every cached key, which equals sliding-window attention only
+        while the whole sequence fits in the window."""
+        length = int(self.config.get("max_position_embeddings") or 4096)
+        window = sliding_window(self.config)
+        return min(length, window) if window else length
 
     @property
     def eos_token_ids(self) -> set:
@@ -87,6 +92,14 @@ class LoadedModel:
         if self.bits and self.dequantized:
             bits += ", dequantized at load"
         return f"{self.name} ({self.dtype}, {bits})"
+
+
+def sliding_window(config: dict) -> Optional[int]:
+    """The window of the layers mlx-lm builds with sliding-window attention (`layer_types` names
+    them), or None. A `sliding_window` without such layers is not applied by mlx-lm: None."""
+    if "sliding_attention" in (config.get("layer_types") or ()) and config.get("sliding_window"):
+        return int(config["sliding_window"])
+    return None
 
 
 def resolve_model_path(spec: Optional[str]) -> Path:
