@@ -27,7 +27,7 @@ from .errors import UserError
 #: the GenerationParams fields that are penalties, and the value that turns each off
 OFF = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
 #: methods that apply them exactly (`auto` picks ar or redrafter); the others refuse a request that sets one
-SUPPORTED = ("ar", "mlx-lm", "redrafter", "triforce", "auto")
+SUPPORTED = ("ar", "mlx-lm", "redrafter", "triforce", "auto", "pp-ar", "pp-spec", "pipeinfer")
 
 
 class Unsupported(UserError):

@@ -107,6 +107,27 @@ def test_every_pipeline_method_writes_ar_s_tokens_and_forced_rejections_cancel_r
     assert ranks["ranks"] == 2 and ranks["split"] == [[0, 1], [1, 2]] and len(ranks["parameter_mb"]) == 2
 
 
+def test_every_pipeline_method_writes_ar_s_tokens_with_penalties(tiny):
+    """Greedy with penalties: the rows come back as logits, each position is penalized by its own
+    text at the head, and every method writes what `ar` writes with the same penalties in one
+    process, whatever the drafts (scripted, some wrong)."""
+    from mlx_specdec.decoding import GenerationParams
+    from mlx_specdec.engine import Engine
+
+    fields = dict(repetition_penalty=1.6, repetition_context_size=8, frequency_penalty=0.5, presence_penalty=0.3)
+    events = list(Engine(tiny.lm).generate_ids(PROMPT, "ar", GenerationParams(max_tokens=40, **fields)))
+    want = [t for e in events if e.kind == "token" for t in e.tokens]
+    assert want != tiny.want  # the penalties change the answer
+    scripted = dict(kind="scripted", continuation=want, wrong_at=[3, 11, 20])
+    jobs = [dict(prompt=PROMPT, settings=settings("pp-ar", **fields)),
+            dict(prompt=PROMPT, settings=settings("pp-spec", draft_length=4, **fields)),
+            dict(prompt=PROMPT, settings=settings("pipeinfer", micro_batch=2, max_runs=4, **fields))]
+    out, _ = run(tiny, jobs, scripted)
+    for job in range(len(jobs)):
+        assert out[job] == want, job
+    assert out[("stats", 2)]["accepted"] >= len(want) // 2  # drafts were accepted: their positions penalized
+
+
 def test_sampled_pipeinfer_tokens_are_the_targets_own_samples(tiny):
     """T = 0.1: the second token, after the likeliest first one, is distributed as the target's
     p(. | prompt, first), whatever the drafts (scripted: the target's greedy chain)."""

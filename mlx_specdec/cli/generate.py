@@ -29,6 +29,7 @@ def add_parser(sub) -> None:
 
 def cmd_generate(args) -> int:
     from ..engine import check_method
+    from ..penalties import OFF
     from ..penalties import check_method as check_penalties
     from ..sampling_defaults import describe, model_defaults, spec_directory
 
@@ -47,6 +48,7 @@ def cmd_generate(args) -> int:
         params = _params(args, defaults, method)
         print(describe(params, source), file=sys.stderr)
         args.temp, args.top_p, args.seed = params.temperature, params.top_p, args.seed or 0
+        args.penalties = {name: getattr(params, name) for name in (*OFF, "repetition_context_size")}
         return generate_pipelined(args, prompt)
     engine = load_engine(args)
     defaults, source = engine.sampling_defaults

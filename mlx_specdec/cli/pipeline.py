@@ -63,7 +63,7 @@ def pipeline_job(args, model_path: str, jobs: List[dict]) -> dict:
 
 def pipeline_settings(args, method: str, max_tokens: int) -> dict:
     return dict(method=method, max_tokens=max_tokens, temperature=args.temp, top_p=getattr(args, "top_p", 1.0),
-                seed=args.seed, draft_length=args.pp_draft_length, micro_batch=args.micro_batch,
+                **getattr(args, "penalties", {}), seed=args.seed, draft_length=args.pp_draft_length, micro_batch=args.micro_batch,
                 max_runs=args.max_runs, p_accept=args.p_accept, p_recovery=args.p_recovery, p_decay=args.p_decay)
 
 

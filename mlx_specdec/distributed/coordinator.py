@@ -37,6 +37,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..acceptance import sample_token
+from ..penalties import ChainPenalties, Penalties
 from .link import CANCEL, HELLO, RESULT, RUN, SKIPPED, STOP, TRIM, Inbox, Message, Outbox, RankFailure
 from .stage import StageModel
 
@@ -50,6 +51,10 @@ class PipelineSettings:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    frequency_penalty: float = 0.0  # the penalties (penalties.py) on the target's logits: off by default
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_context_size: int = 20
     draft_length: int = 4  # pp-spec: drafts per verify
     micro_batch: int = 2  # pipeinfer: tokens per speculative run (the paper: 1-4)
     max_runs: int = 4  # pipeinfer: speculative runs in flight at once
@@ -114,6 +119,7 @@ class Head:
         self.settings, self.runs = s, deque()  # type: ignore[var-annotated]
         self.runs: Deque[Run]
         self.text, self.seq = list(prompt), list(prompt)
+        self.prompt_length = len(prompt)
         self.sent = 0  # positions [0, sent) are in every stage's cache (or on their way)
         self.busy = 0.0
         self.pending_observe = None
@@ -123,9 +129,11 @@ class Head:
                                decode_runs=0, rejected_drafts=0, abandoned=0)
         self.stage.truncate(0)
         self.outbox.send(Message(TRIM, b=0))  # every stage starts empty
-        want_logits = s.temperature > 0
+        self.penalty = Penalties.of(s)  # None: every penalty off
+        self.penalties = None  # made at the first row (it needs the vocabulary)
+        want_logits = s.temperature > 0 or self.penalty is not None  # penalties need the logits even when greedy
         self.flags = (2 if want_logits else 0) | (1 if getattr(self.drafter, "needs_hidden", False) else 0)
-        if want_logits:
+        if s.temperature > 0:
             mx.random.seed(s.seed)
         if self.drafter is not None:
             self.drafter.begin(prompt)
@@ -263,6 +271,15 @@ class Head:
         hidden_width = self.stage.hidden_size if self.flags & 1 else 0
         return self._walk(run, rows, hidden_width)
 
+    def _penalized(self, logits: mx.array, p: int) -> mx.array:
+        """logits (V,) of the token at position p, penalized by its own text: the prompt and the
+        tokens before p (every one of them committed or a draft still standing, as the row saw)."""
+        if self.penalty is None:
+            return logits
+        if self.penalties is None:
+            self.penalties = ChainPenalties(self.penalty, self.prompt_length, logits.shape[-1])
+        return self.penalties.first(logits[None], self.seq[:p])[0]
+
     def _walk(self, run: Run, rows: mx.array, hidden_width: int):
         committed: List[int] = []
         last = None
@@ -272,9 +289,12 @@ class Head:
             p = run.start + j + 1  # the position this row's token goes to
             row = rows[j - run.want_from]
             if self.flags & 2:
-                logits = row[: row.shape[0] - hidden_width]
-                y = int(sample_token(logits - mx.logsumexp(logits), self.settings.temperature,
-                                     self.settings.top_p).item())  # host sync: the sampled token
+                logits = self._penalized(row[: row.shape[0] - hidden_width], p)
+                if self.settings.temperature > 0:
+                    y = int(sample_token(logits - mx.logsumexp(logits), self.settings.temperature,
+                                         self.settings.top_p).item())  # host sync: the target's own token
+                else:  # greedy with penalties: the row came as logits so that they could apply
+                    y = int(mx.argmax(logits).item())
             else:
                 y = int(greedy_ids[j - run.want_from])
             if hidden_width:  # the drafter continues from the newest committed token
