@@ -76,6 +76,8 @@ class ChatApp(LoadingMixin, GenerationMixin, AttachMixin, App):
         self.export_dir = Path(export_dir) if export_dir else self.home / "exports"
         self._start_theme = theme
         self.engine = None
+        self.unavailable: dict = {}  # method -> why this model cannot run it
+        self._told_unavailable: set = set()
         self.store: Optional[Store] = None
         self.conversation: Optional[Conversation] = None
         self.current: Optional[Generation] = None
@@ -247,7 +249,7 @@ class ChatApp(LoadingMixin, GenerationMixin, AttachMixin, App):
             self.show_conversation(conv.id)
             self.notify(f"{method_label(result['method'], result['settings'])} for this conversation")
 
-        self.push_screen(SettingsScreen(methods, conv.method, conv.settings), saved)
+        self.push_screen(SettingsScreen(methods, conv.method, conv.settings, self.unavailable), saved)
 
     def action_export(self) -> None:
         if self.conversation is None:

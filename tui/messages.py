@@ -21,9 +21,10 @@ class LoadProgress(Message):
 
 
 class EngineReady(Message):
-    def __init__(self, engine, baseline: Optional[float]):
+    def __init__(self, engine, baseline: Optional[float], support: Optional[dict] = None):
         super().__init__()
-        self.engine, self.baseline = engine, baseline
+        #: support: per method, None where this model can run it, else why not (Engine.method_support)
+        self.engine, self.baseline, self.support = engine, baseline, support or {}
 
 
 class LoadFailed(Message):

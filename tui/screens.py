@@ -69,9 +69,10 @@ class SettingsScreen(ModalScreen[Optional[dict]]):
     #settings-buttons Button { margin-left: 1; }
     """
 
-    def __init__(self, methods: List[str], method: str, settings: dict):
+    def __init__(self, methods: List[str], method: str, settings: dict, unavailable: Optional[dict] = None):
         super().__init__()
         self.methods = methods
+        self.unavailable = unavailable or {}  # method -> why this model cannot run it
         self.method = method if method in methods else methods[0]
         self.settings = {**DEFAULT_SETTINGS, **settings}
 
@@ -98,7 +99,9 @@ class SettingsScreen(ModalScreen[Optional[dict]]):
         with VerticalScroll(id="settings-fields"):
             with Grid(classes="settings-grid"):
                 yield Label("method")
-                yield Select([(f"{METHOD_LABELS.get(m, m)} ({m})", m) for m in self.methods], value=self.method,
+                yield Select([(f"{METHOD_LABELS.get(m, m)} ({m})" + (" · not for this model" if m in self.unavailable
+                                                                      else ""), m) for m in self.methods],
+                             value=self.method,
                              allow_blank=False, compact=True, id="method")
                 for setting in SAMPLING_FIELDS:
                     yield from self._field(setting)

@@ -25,7 +25,7 @@ from .documents import compose
 from .hints import error_line, hint_for
 from .messages import EngineReady, GenFinished, Generation, LoadFailed, LoadProgress
 from .stream import Change, StreamState, default_restore
-from .widgets import MessageView
+from .widgets import METHOD_LABELS, MessageView
 
 Loader = Callable[[Callable[[str, int, int], None]], object]
 
@@ -96,8 +96,10 @@ class LoadingMixin:
                         baseline = plain_speed(engine, self.home, GenerationParams)
                 except Exception:  # noqa: BLE001 - no speed-up figure, but a working chat
                     baseline = None
+            support = getattr(engine, "method_support", None)
+            support = support() if callable(support) else {}  # loads a method's artifacts: here, not in the UI
             progress("ready", 4, 4)
-            self.post_message(EngineReady(engine, baseline))
+            self.post_message(EngineReady(engine, baseline, support))
         except Exception as exc:  # noqa: BLE001 - every failure becomes a notification
             self.post_message(LoadFailed(error_line(exc), hint_for(exc)))
 
@@ -112,6 +114,7 @@ class LoadingMixin:
 
     def on_engine_ready(self, message: EngineReady) -> None:
         self.engine = message.engine
+        self.unavailable = {m: why for m, why in message.support.items() if why}
         if self._restore_given is None:
             self.restore = default_restore(self.engine)
         self.baseline = message.baseline or None
@@ -154,9 +157,22 @@ class GenerationMixin:
         return [{"role": m.role, "content": m.content} for m in self.store.messages(conversation_id)
                 if m.content and m.role in ("user", "assistant")]
 
+    def _method_for(self, conv) -> str:
+        """The conversation's method, or `ar` where this model cannot run it (said once a method)."""
+        why = self.unavailable.get(conv.method)
+        if why is None:
+            return conv.method
+        if conv.method not in self._told_unavailable:
+            self._told_unavailable.add(conv.method)
+            self.notify(f"{why}.\nAnswering with plain decoding (Ctrl+O picks another method).",
+                        title=f"{METHOD_LABELS.get(conv.method, conv.method)} is not available for this model",
+                        severity="warning", timeout=15)
+        return "ar"
+
     def ask(self, text: str, document=None) -> None:
         """Send `text`; with a `tui.documents.Document`, the message is the document + the question."""
         conv = self.store.conversation(self.conversation.id)
+        method = self._method_for(conv)  # this answer's (the conversation keeps its own)
         history = self.history(conv.id)
         if not history:
             title = text.splitlines()[0][:48]
@@ -168,20 +184,20 @@ class GenerationMixin:
         self.store.add_message(conv.id, "user", content, stats={"document": shown} if shown else None)
         self.chat.add(MessageView("user", content, document=shown))
         history.append({"role": "user", "content": content})
-        message_id = self.store.add_message(conv.id, "assistant", "", status="streaming", method=conv.method)
-        view = self.chat.add(MessageView("assistant", message_id=message_id, method=conv.method,
+        message_id = self.store.add_message(conv.id, "assistant", "", status="streaming", method=method)
+        view = self.chat.add(MessageView("assistant", message_id=message_id, method=method,
                                          status="streaming", segments=[]))
         self._gen_ids += 1
-        state = StreamState(conv.method, decode=engine_decoder(self.engine), restore=self.restore,
+        state = StreamState(method, decode=engine_decoder(self.engine), restore=self.restore,
                             baseline_tps=self.baseline)
-        gen = Generation(self._gen_ids, conv.id, message_id, conv.method, dict(conv.settings), state, view=view)
+        gen = Generation(self._gen_ids, conv.id, message_id, method, dict(conv.settings), state, view=view)
         self.current = gen
         self.panes.reset()
         self.update_header()
         self.refresh_list()
-        self.status.show_state(state, conv.method, self.baseline, "prefill")
+        self.status.show_state(state, method, self.baseline, "prefill")
         try:
-            params = make_params({**self.default_settings, **conv.settings}, conv.method)
+            params = make_params({**self.default_settings, **conv.settings}, method)
         except (TypeError, ValueError) as exc:
             self.post_message(GenFinished(gen.id, f"bad settings: {exc}", "Fix them with Ctrl+O."))
             return
