@@ -15,10 +15,10 @@ pytest.importorskip("textual")
 from textual.app import App  # noqa: E402
 from textual.content import Content  # noqa: E402
 
-from tui.app import ChatApp  # noqa: E402
 from tui.fake import PLAIN_ANSWER, FakeEngine  # noqa: E402
 from tui.stream import Change  # noqa: E402
 from tui.widgets import ACCEPTED_STYLE, METHOD_LABELS, STATUS_NOTES, MessageView  # noqa: E402
+from test_tui import make_app, until  # noqa: E402  (the chat app on a fake engine; waiting on it)
 
 LONG_ANSWER = " ".join([PLAIN_ANSWER] * 12)
 
@@ -45,18 +45,6 @@ def drawn(content: Content):
 
 def styled_chars(content: Content, style: str) -> str:
     return "".join(content.plain[s.start:s.end] for s in content.spans if str(s.style) == style)
-
-
-def make_app(tmp_path, engine, **kwargs):
-    return ChatApp(engine=engine, db_path=tmp_path / "chats.sqlite3", home=tmp_path, baseline=10.0, **kwargs)
-
-
-async def until(pilot, condition, timeout: float = 10.0):
-    for _ in range(int(timeout / 0.01)):
-        if condition():
-            return
-        await pilot.pause(0.01)
-    raise AssertionError("condition not reached")
 
 
 async def ask(pilot, text: str):
@@ -244,30 +232,41 @@ def test_auto_says_in_the_status_bar_and_the_summary_what_it_chose(tmp_path):
     asyncio.run(run())
 
 
-def test_dear_frames_are_spaced_to_keep_drawing_to_its_share(tmp_path, monkeypatch):
-    """A frame that costs the UI thread 20 ms of CPU: frames come at most every MAX_FRAME_S (20 ms
-    / UI_SHARE is more), not every FRAME_S, and the whole answer is still shown and saved."""
-    set_stream = MessageView.set_stream
+@pytest.mark.parametrize("cpu_per_frame", [0.02, 0.004, 0.0005])
+def test_frames_are_spaced_by_what_they_cost_the_ui_thread(tmp_path, monkeypatch, cpu_per_frame):
+    """The UI thread's CPU clock (faked) advances `cpu_per_frame` per frame: each frame's next one is
+    due that cost / UI_SHARE later, held between FRAME_S and MAX_FRAME_S; the whole answer is
+    still shown and saved."""
+    import types
 
-    def dear(self, segments, status=None, summary=None):
-        end = time.thread_time() + 0.02
-        while time.thread_time() < end:
-            pass
-        return set_stream(self, segments, status, summary)
+    import tui.workers as workers
 
-    monkeypatch.setattr(MessageView, "set_stream", dear)
+    clock = {"cpu": 0.0}
+
+    def thread_time():
+        clock["cpu"] += cpu_per_frame
+        return clock["cpu"]
+
+    monkeypatch.setattr(workers, "time", types.SimpleNamespace(monotonic=time.monotonic, thread_time=thread_time))
+    gaps = []
+    take = workers.GenerationMixin._take_events
+
+    def recorded(self, gen, now_or_never=False):
+        frames, before = gen.frames, time.monotonic()
+        take(self, gen, now_or_never)
+        if gen.frames > frames and gen.cpu_mark is not None and frames > 0:
+            gaps.append(gen.next_frame_at - before)
+
+    monkeypatch.setattr(workers.GenerationMixin, "_take_events", recorded)
 
     async def run():
         engine = FakeEngine(answer=LONG_ANSWER, delay=0.005)
         app = make_app(tmp_path, engine, method="ar")
         async with app.run_test(size=(100, 30)) as pilot:
             await ask(pilot, "Why is the sky blue?")
-            await until(pilot, lambda: app.current is not None)
-            started = time.monotonic()
             await until(pilot, lambda: app.last is not None and app.current is None, timeout=30)
-            elapsed = time.monotonic() - started
-            assert 0.02 / app.UI_SHARE > app.MAX_FRAME_S
-            assert app.last.frames <= elapsed / (0.8 * app.MAX_FRAME_S) + 2
+            want = min(max(cpu_per_frame / app.UI_SHARE, app.FRAME_S), app.MAX_FRAME_S)
+            assert gaps and all(want <= gap < want + 0.01 for gap in gaps), (want, gaps)  # + the take's own time
             [view] = [v for v in app.query(MessageView) if v.role == "assistant"]
             assert view.text == LONG_ANSWER
             assert app.store.messages(app.last.conversation_id)[-1].content == LONG_ANSWER
