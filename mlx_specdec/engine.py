@@ -49,8 +49,9 @@ def apar_adapter_spec(value: str) -> Optional[str]:
 
 
 #: strategies that resume from the prefix store (through decoding/base.py's `prefilled_cache`;
-#: `ar` also as a row of the server's continuous batch); only these report cached prompt tokens
-PREFIX_METHODS = ("ar", "triforce")
+#: `ar` and `redrafter` also as rows of the server's continuous batch); only these report cached
+#: prompt tokens
+PREFIX_METHODS = ("ar", "triforce", "redrafter")
 
 
 def check_same_tokenizer(lm: LoadedModel, draft: LoadedModel) -> None:
@@ -256,12 +257,32 @@ class Engine:
             return events
         return self._measured(events, method, len(prompt_ids), params, choice)
 
-    def continuous_decoder(self, method: str = "ar"):
-        """A batch that requests join at the next step and leave when they end (decoding/continuous.py)."""
+    def joins(self, method: str, params: Optional[GenerationParams] = None) -> bool:
+        """Whether a request can be a row of a continuous batch (`continuous_decoder`)."""
+        if method not in JOIN_METHODS:
+            return False
+        if method == "redrafter":
+            from .decoding.redrafter_join import joinable
+
+            params = params or GenerationParams()
+            return joinable(params, self._resources_for(method, params))
+        return True
+
+    def continuous_decoder(self, method: str = "ar", params: Optional[GenerationParams] = None):
+        """A batch that requests join at the next step and leave when they end (decoding/continuous.py,
+        decoding/redrafter_join.py); params: the settings its rows share (redrafter's options,
+        sampling and penalties; `ar`'s rows each have their own)."""
         from .decoding.continuous import ContinuousDecoder
 
-        if method not in JOIN_METHODS:
-            raise UserError(f"method {method!r} has no continuous batching (it has: {', '.join(sorted(JOIN_METHODS))})")
+        params = params or GenerationParams()
+        if not self.joins(method, params):
+            raise UserError(f"method {method!r} has no continuous batching with these settings "
+                            f"(it has: {', '.join(sorted(JOIN_METHODS))})")
+        if method == "redrafter":
+            from .decoding.redrafter_join import ContinuousRedrafter
+
+            check_penalties(method, params)
+            return ContinuousRedrafter(self.lm_for(method), self._resources_for(method, params), params)
         return ContinuousDecoder(self.lm_for(method), self._resources_for(method), method)
 
     def generate_ids_batch(self, prompts_ids: List[List[int]], method: str = "redrafter",

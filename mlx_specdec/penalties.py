@@ -125,7 +125,8 @@ class TreePenalties:
     def __init__(self, pen: Penalties, prompts: Sequence[Sequence[int]], vocab: int):
         self.pen, self.vocab = pen, vocab
         self.counts = mx.zeros((len(prompts), vocab), dtype=mx.float32)
-        self.recent = np.stack([window_of(p, pen.window) for p in prompts])  # (B, K) host
+        self.recent = np.stack([window_of(p, pen.window) for p in prompts]) if len(prompts) else \
+            np.zeros((0, pen.window), dtype=np.int32)  # (B, K) host
 
     def first(self, logits: mx.array) -> mx.array:  # (B, V) after the prompt alone
         return penalize(logits, self.pen, self.counts, mx.array(self.recent))
@@ -181,6 +182,11 @@ class TreePenalties:
     def select_rows(self, keep: np.ndarray) -> None:
         self.counts, self.recent = self.counts[mx.array(keep)], self.recent[keep]
 
+    def add_row(self, text: Sequence[int]) -> None:
+        """A row joining a running batch whose own token is `text`'s last: no answer yet."""
+        self.counts = mx.concatenate([self.counts, mx.zeros((1, self.vocab), dtype=mx.float32)])
+        self.recent = np.concatenate([self.recent, window_of(text, self.pen.window)[None]])
+
 
 class NoPenalties:
     """Every penalty off: the logits go through untouched and nothing is kept."""
@@ -195,6 +201,9 @@ class NoPenalties:
         pass
 
     def select_rows(self, keep) -> None:
+        pass
+
+    def add_row(self, text) -> None:
         pass
 
 

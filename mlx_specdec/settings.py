@@ -246,7 +246,7 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
     Method("auto", "per request, ar or redrafter: the one measured (or, before that, predicted) faster here"),
     Method("mlx-lm", "mlx-lm's own generate loop (the peer baseline)"),
     Method("redrafter", "an RNN draft head and prompt lookup draft trees, verified in one forward",
-           REDRAFTER, batches=True, needs=("drafter",)),
+           REDRAFTER, batches=True, joins=True, needs=("drafter",)),
     Method("apar", "the adapted model forks a thread per paragraph; threads decode together",
            APAR, needs=("apar_adapter",)),
     Method("triforce", "long prompts: the target over a retrieval cache drafts for the full cache", TRIFORCE),

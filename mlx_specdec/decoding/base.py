@@ -395,4 +395,4 @@ def drop_finished_rows(rows: List[int], new_tokens, emitted, eos, max_tokens, st
             if emitted[b] < max_tokens and not any(t in eos for t in tokens) and rows[b] not in stopped_rows]
     if len(keep) == len(rows):
         return rows, None
-    return [rows[b] for b in keep], np.array(keep)
+    return [rows[b] for b in keep], np.array(keep, dtype=np.int64)

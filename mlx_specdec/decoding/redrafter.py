@@ -73,6 +73,17 @@ NO_HEAD = "none"  # the fallback's name in the stats where the model has no draf
 
 
 def redrafter(ctx: DecodeContext) -> Iterator[Step]:
+    loop = build_loop(ctx)
+    yield from loop.start()
+    try:
+        while loop.rows:
+            yield from loop.step()
+    finally:
+        loop.close()
+
+
+def build_loop(ctx: DecodeContext, cls=RedrafterLoop) -> RedrafterLoop:
+    """The loop for ctx's settings, its drafting sources built (`cls`: the loop's class)."""
     s, names, lookup = settings(ctx)
     head, draft_model = ctx.resources.get("drafter"), ctx.resources.get("draft_model")
     if names[-1] == "head" and head is None and draft_model is not None:
@@ -96,13 +107,7 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
     for name in names[:-1]:
         if not sources[name].host_side:
             raise UserError(f"redrafter: {name!r} drafts on the device; only the head, last, may")
-    loop = RedrafterLoop(ctx, s, sources, vocab)
-    yield from loop.start()
-    try:
-        while loop.rows:
-            yield from loop.step()
-    finally:
-        loop.close()
+    return cls(ctx, s, sources, vocab)
 
 
 def settings(ctx: DecodeContext):

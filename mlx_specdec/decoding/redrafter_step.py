@@ -8,8 +8,7 @@ redrafter.py describes what each does and reads the method's settings.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Dict, Iterator, List, NamedTuple, Optional
+from typing import Dict, Iterator, List
 
 import mlx.core as mx
 import numpy as np
@@ -21,64 +20,12 @@ from ..drafting.base import read_host as _read
 from ..drafting.calibration import DraftTrust
 from ..drafting.first_offer import FirstOffer
 from ..drafting.runners_up import StepRunnersUp
-from ..drafting.tree import PackedTree, pack_beams
-from ..drafting.verify_cost import CostTable, RateMeter, kept_length, worth_verifying
+from ..drafting.tree import pack_beams
+from ..drafting.verify_cost import RateMeter, kept_length, worth_verifying
 from ..model.forward import forward
-from .base import DecodeContext, Step, drop_finished_rows, new_contiguous_cache, prefill_rows
-
-PHASES = ("draft_s", "pack_s", "verify_s", "accept_s", "sync_s")
-
-
-@dataclass
-class Settings:
-    width: int  # beams the head drafts per step
-    length: int  # tokens per beam, the target's own first
-    cutoff: float  # verify a draft only where its calibrated confidence clears this
-    use_trust: bool  # calibrate each source's confidence by its running trust per row
-    cost_table: Optional[CostTable]  # this machine's verify costs (None: no cost rule)
-    cost_aware: bool  # the step length follows the verify cost at this context
-    margin: bool  # ... by the answer's rate so far (`RateMeter`), not the step's own ratio
-    eager: bool  # every depth of the head's drafts in one graph, read with the acceptance
-    stepwise: bool  # greedy chains drafted one depth at a time, as deep as a step can verify
-    runners_up: int  # the head's next choices offered beside its chain's drafts
-    runner_depths: int  # ... at this many of its first drafts
-    deepen_reach: float  # draft deeper only while some chain is at least this likely whole
-    compete: bool  # chain drafts and runners-up compete for the verify's tokens
-    beside_host: bool  # the head's first draft offered beside a host-side source's chain
-    prompt_draft: bool  # the first forward verifies drafts made from the prompt
-    sampled_drafts: bool  # sampling: the head samples its chains and rejection sampling accepts them
-    profile: bool  # a deliberate sync per phase, to time it
-
-
-class Plan(NamedTuple):
-    step_length: int  # 1 + the drafts each beam verifies (1: a plain step)
-    judged: np.ndarray  # (B, W, L-1) calibrated confidences, before the cut
-    runners: Optional[tuple]  # the runners-up `plan_step` chose with the chain's depth
-    with_runners: bool  # the head's runners-up may join the tree
-
-
-class Tree(NamedTuple):
-    beams: np.ndarray  # (B, W', L') the beams verified (W' > W: runners-up beside the chains)
-    packed: List[PackedTree]  # per row
-    tokens: mx.array  # (B, N) the packed tree, padded to the widest row
-    positions: Optional[mx.array]  # (B, N); None: a contiguous chain (`ar`'s call)
-    mask: Optional[mx.array]
-    index: mx.array  # (B, W'*L') each beam token's packed position
-    drafts: Proposal  # the step's drafts (their q cut to the step length, when sampling)
-    extra: np.ndarray  # (B,) runners-up verified per row
-    runner_depth: np.ndarray  # (R,) the depth of each runner-up beam
-
-
-class Read(NamedTuple):  # the step's host sync: its acceptance, and the next step's drafts
-    best: np.ndarray  # (B,) the beam accepted from
-    accepted: np.ndarray  # (B,) its drafts accepted
-    token: np.ndarray  # (B,) the target's own next token
-    drafts: Proposal  # the next step's
-    beams: np.ndarray
-    owner: np.ndarray
-    confidence: np.ndarray
-    source: np.ndarray  # (B,) the index of the source that drafted each row
-
+from .base import (DecodeContext, Step, drop_finished_rows, keep_prefix, new_contiguous_cache, prefill_rows,
+                   prefilled_cache)
+from .redrafter_types import PHASES, Plan, Read, Settings, Tree
 
 class RedrafterLoop:
     def __init__(self, ctx: DecodeContext, s: Settings, sources: Dict[str, Proposer], vocab: int):
@@ -88,11 +35,13 @@ class RedrafterLoop:
         *host_sources, self.head = sources.values()
         self.model, self.params, self.stats = ctx.lm.model, ctx.params, ctx.stats
         self.first_offer = FirstOffer(host_sources, vocab) if host_sources else None
-        self.penalties = penalties.for_rows(ctx.params, ctx.prompts or [ctx.prompt], vocab)  # each node by its path
+        rows = ctx.prompts or ([ctx.prompt] if ctx.prompt else [])  # none: a continuous batch, rows join later
+        self.penalties = penalties.for_rows(ctx.params, rows, vocab)  # each node by its path
         self.fallback = len(host_sources)  # the head's index in `source`
         self.source_steps = np.zeros(len(sources), dtype=np.int64)  # row-steps each source drafted
         self.meter = RateMeter(s.cost_table) if s.margin else None
         self.timings, self._t0 = dict.fromkeys(PHASES, 0.0), 0.0  # --profile: seconds per phase
+        self.resumed = None  # one row resumed from the prefix store: its prompt but the last token
         self.per_position = np.zeros(s.length - 1, dtype=np.int64)  # row-steps that accepted >= k+1 drafts
         self.tally = dict.fromkeys(("steps", "before", "after", "lookup_steps", "lookup_accepted", "runners_up",
                                     "runners_up_accepted", "runners_up_deeper_accepted"), 0)
@@ -110,6 +59,9 @@ class RedrafterLoop:
         texts = [p[:-1] for p in prompts]
         if from_prompt:
             self.valid, hidden = prefill_rows(ctx, self.cache, texts, last_hidden=True)  # (B, P), (B, D)
+        elif len(texts) == 1 and ctx.resources.get("prefix_store") is not None:  # resumed from a recent prompt
+            self.cache, self.resumed = prefilled_cache(ctx, texts[0]), texts[0]
+            self.valid, hidden = np.ones((1, len(texts[0])), dtype=bool), None
         else:
             self.valid, hidden = prefill_rows(ctx, self.cache, texts), None
         self.lengths = np.array([len(p) - 1 for p in prompts])  # committed tokens per row
@@ -133,10 +85,7 @@ class RedrafterLoop:
             self.rows, self.keep = drop_finished_rows(self.rows, [[int(t)] for t in own], self.emitted,
                                                       ctx.lm.eos_token_ids, self.params.max_tokens, ctx.stopped_rows)
         self.committed = self.cache.offset
-        self.trusts = [DraftTrust(len(prompts)) for _ in range(self.fallback + 1)]  # per source; the head's last
-        self.runners = StepRunnersUp(self.head, self.trusts[-1].calibrated if s.use_trust else (lambda c: c),
-                                     s.cutoff, s.cost_table if s.cost_aware else None, s.compete, s.beside_host)
-        self.source = np.full(len(prompts), self.fallback)  # per prompt, as `keep` indexes them
+        self.learners(len(prompts))
         self.head.begin(texts if from_prompt else prompts)  # the text before `own` (a draft model keeps it)
         if self.first_offer is not None:
             self.first_offer.begin(texts if from_prompt else prompts)
@@ -149,6 +98,14 @@ class RedrafterLoop:
                 self.drafts, self.beams, self.owner, self.confidence, self.source, _ = self.first_offer.draft(
                     self.drafts, own)
             self.deepen()
+
+    def learners(self, rows: int) -> None:
+        """Each source's trust per row (the head's last), the runners-up's planner, each row's source."""
+        s = self.s
+        self.trusts = [DraftTrust(rows) for _ in range(self.fallback + 1)]
+        self.runners = StepRunnersUp(self.head, self.trusts[-1].calibrated if s.use_trust else (lambda c: c),
+                                     s.cutoff, s.cost_table if s.cost_aware else None, s.compete, s.beside_host)
+        self.source = np.full(rows, self.fallback)  # per prompt, as `keep` indexes them
 
     def step(self) -> Iterator[Step]:
         self.select_rows()
@@ -368,6 +325,8 @@ class RedrafterLoop:
         """Stopped mid-step: drop the unverified tree."""
         if self.cache.offset > self.committed:
             self.cache.rollback_to(self.committed)
+        if self.resumed is not None:  # the next turn of this conversation may resume from its prompt
+            keep_prefix(self.ctx, self.cache, self.resumed)
 
     def calibrated(self, confidence: np.ndarray) -> np.ndarray:
         """confidence (B, W, L-1) -> each row's, times the row's trust in the source that drafted it."""

@@ -76,6 +76,8 @@ class Proposer(Protocol):
 
     def select_rows(self, keep: Sequence[int]) -> None: ...
 
+    def add_rows(self, prompts: Sequence[Sequence[int]]) -> None: ...
+
     def judged(self, verified: Sequence[int], accepted: Sequence[int]) -> None: ...
 
 
@@ -100,6 +102,9 @@ class ProposerDefaults:
         pass
 
     def select_rows(self, keep: Sequence[int]) -> None:
+        pass
+
+    def add_rows(self, prompts: Sequence[Sequence[int]]) -> None:
         pass
 
     def judged(self, verified: Sequence[int], accepted: Sequence[int]) -> None:

@@ -51,6 +51,10 @@ class DraftTrust:
     def select_rows(self, keep: np.ndarray) -> None:
         self.accepted, self.expected = self.accepted[keep], self.expected[keep]
 
+    def add_rows(self, n: int) -> None:
+        """Rows joining a running batch, with no evidence yet (trust 1)."""
+        self.accepted, self.expected = np.concatenate([self.accepted, np.zeros(n)]), np.concatenate([self.expected, np.zeros(n)])
+
     def update(self, beams: np.ndarray, confidence: np.ndarray, best: np.ndarray, accepted: np.ndarray,
                next_token: np.ndarray, verified: int, rows: np.ndarray | None = None) -> None:
         """After a step. beams (B, W, L) and confidence (B, W, L-1): the step's drafts before the cut;

@@ -48,6 +48,13 @@ class FirstOffer:
         self.source = np.full(len(prompts), self.fallback, dtype=np.int64)
         self.proposed = np.zeros(len(prompts), dtype=np.int64)
 
+    def add_rows(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Rows joining a running batch (its text so far each), drafted by no source yet."""
+        for source in self.sources:
+            source.add_rows(prompts)
+        self.source = np.concatenate([self.source, np.full(len(prompts), self.fallback, dtype=np.int64)])
+        self.proposed = np.concatenate([self.proposed, np.zeros(len(prompts), dtype=np.int64)])
+
     def commit(self, tokens: Sequence[Sequence[int]], verified: Optional[int] = None) -> None:
         """Per row: the own token the step started from and the drafts accepted after it.
         verified: drafts the step verified (the cutoff and the cost rule may verify fewer than

@@ -142,6 +142,17 @@ class HeadProposer(ProposerDefaults):
             self._runners = [r[index] for r in self._runners]
             self._deeper_runners = [(t[keep], c[keep]) for t, c in self._deeper_runners]
 
+    def add_rows(self, prompts) -> None:
+        """Rows joining a running batch before the next step: no runners-up (confidence 0)."""
+        n = len(prompts)
+        if self._first is not None:
+            self._first = tuple(mx.concatenate([a, mx.zeros((n,) + a.shape[1:], dtype=a.dtype)]) for a in self._first)
+        if self._runners is not None:
+            self._runners = [mx.concatenate([r, mx.zeros((n,) + r.shape[1:], dtype=r.dtype)]) for r in self._runners]
+            self._deeper_runners = [(np.concatenate([t, np.zeros((n,) + t.shape[1:], dtype=t.dtype)]),
+                                     np.concatenate([c, np.zeros((n,) + c.shape[1:], dtype=c.dtype)]))
+                                    for t, c in self._deeper_runners]
+
     def _full_vocab(self, draft_probs: mx.array) -> mx.array:
         """(B, W, L-1, K) draft-vocabulary distribution -> (B, W, L-1, V), zero outside it."""
         full = mx.zeros(draft_probs.shape[:-1] + (self.vocab,), dtype=draft_probs.dtype)

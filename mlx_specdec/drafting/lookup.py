@@ -51,9 +51,15 @@ class PromptLookup(HostSideDefaults):
 
     def begin(self, prompts: Sequence[Sequence[int]]) -> None:
         """Each row's text: its whole prompt (the target's first own token comes after it)."""
-        self.ngram.begin(prompts)
-        self.allowed = np.full(len(prompts), self.drafts)
-        self.streak = np.zeros(len(prompts), dtype=bool)
+        self.ngram.begin([])
+        self.allowed, self.streak = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool)
+        self.add_rows(prompts)
+
+    def add_rows(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Rows joining a running batch, each with its text so far."""
+        self.ngram.add_rows(prompts)
+        self.allowed = np.concatenate([self.allowed, np.full(len(prompts), self.drafts)])
+        self.streak = np.concatenate([self.streak, np.zeros(len(prompts), dtype=bool)])
 
     def draft_after(self, tokens: Sequence[int], rows: Optional[np.ndarray] = None) -> List[Optional[Chain]]:
         chains: List[Optional[Chain]] = []

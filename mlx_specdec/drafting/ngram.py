@@ -39,6 +39,10 @@ class NgramProposer(RunningRate, ProposerDefaults):
     def begin(self, prompts: Sequence[Sequence[int]]) -> None:
         """Start a batch: each row's text is its prompt (the committed tokens before the first own one)."""
         self.texts, self._index = [], []
+        self.add_rows(prompts)
+
+    def add_rows(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Rows joining a running batch (continuous batching), each with its text so far."""
         for prompt in prompts:
             self.texts.append([])
             self._index.append({})

@@ -1,5 +1,5 @@
-"""The server's one generation thread: requests decode first come first served; `ar` requests
-join a running batch at its next step, and `redrafter` requests waiting together decode together.
+"""The server's one generation thread: requests decode first come first served; `ar` and
+`redrafter` requests join a running batch at its next step.
 
 The HTTP side (an asyncio loop) submits a `Job` and reads its events from an asyncio queue that
 this thread fills through `loop.call_soon_threadsafe`. One long-lived thread owns every MLX call
@@ -8,16 +8,17 @@ one request at a time. A job whose client went away is cancelled: the thread sto
 event and closes the generator, whose `finally` rolls the cache back, so the next request starts
 from a clean cache; in a batch, its row leaves the batch at the next step and the others go on.
 
-Batching: the job at the head of the queue takes with it up to `max_batch - 1` later jobs that
-can share its rows (the same method, sampling settings and method options; sampled requests only
-without a seed, since a batch has one random stream). A row keeps its own max_tokens and stop
-strings, and gets its own usage and speculation figures (decoding/batch.py).
+Continuous batching (decoding/continuous.py, decoding/redrafter_join.py): a running batch takes
+in, before every step, the requests waiting at the front of the queue that can join it (up to
+`max_batch` rows; sampled requests only without a seed, since a batch has one random stream),
+and a row leaves as soon as it ends. An `ar` row has its own sampling settings; `redrafter` rows
+share the first row's (the same method options, sampling settings and penalties: equal
+`batch_key`s). Every row has its own max_tokens and stop strings, usage and speculation figures.
+A request that cannot join waits for the batch to drain, so nothing is overtaken.
 
-Continuous batching (`ar`, decoding/continuous.py): a running batch takes in, before every step,
-the requests waiting at the front of the queue that can join it (up to `max_batch` rows; each
-row its own sampling settings, max_tokens and stop strings; sampled requests only without a
-seed), and a row leaves as soon as it ends. A request that cannot join waits for the batch to
-drain, so nothing is overtaken.
+Settings that cannot join (a draft model drafting, sampled chains) batch the old way: the job at
+the head of the queue takes with it up to `max_batch - 1` waiting jobs that share its rows
+(decoding/batch.py), or decodes alone.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ class GenerationWorker:
                 return None
             self._resolve(head, busy=bool(self._jobs))
             batch, key = [head], head.batch_key()
-            if key is not None:
+            if key is not None and not self._joins(head):  # a continuous batch takes the others as it runs
                 for job in list(self._jobs):
                     if len(batch) == self.max_batch:
                         break
@@ -190,11 +191,19 @@ class GenerationWorker:
             with self._arrived:
                 self._running = []
 
-    def _resolve(self, job: Job, busy: bool) -> None:
+    def _resolve(self, job: Job, busy: bool, running: Optional[Job] = None) -> None:
         """`auto`: the method for this request, chosen on the generation thread (the chooser may
-        load the draft head); busy: other requests wait or run beside it."""
+        load the draft head); busy: other requests wait or run beside it; running: the first row
+        of the continuous batch running now, whose method it takes where it can join it (rather
+        than wait for the batch to drain)."""
         if job.method != AUTO:
             return
+        if running is not None:
+            job.method = running.method
+            if self._fits(running, job):
+                job.auto = {"chose": running.method, "why": f"joins the running {running.method} batch"}
+                return
+            job.method = AUTO
         choose = getattr(self.engine, "choose_method", None)
         if choose is None:
             job.method = "ar"
@@ -202,19 +211,28 @@ class GenerationWorker:
         choice = choose(job.prompt_ids, job.params, busy=busy or bool(self._running))
         job.method, job.auto = choice.method, choice.as_dict()
 
-    @staticmethod
-    def _joins(job: Job) -> bool:
-        """Can run as a row of a continuous batch: a method that joins, and not a seeded sampled
-        request (a batch has one random stream)."""
-        return job.method in JOIN_METHODS and (job.params.greedy or job.params.seed is None)
+    def _joins(self, job: Job) -> bool:
+        """Can run as a row of a continuous batch: a method that joins with these settings, and
+        not a seeded sampled request (a batch has one random stream)."""
+        if job.method not in JOIN_METHODS or not (job.params.greedy or job.params.seed is None):
+            return False
+        joins = getattr(self.engine, "joins", None)
+        return joins is None or joins(job.method, job.params)
 
-    def _joiners(self, room: int) -> List[Job]:
+    def _fits(self, first: Job, job: Job) -> bool:
+        """Can join `first`'s running batch: `ar` rows any `ar` request, other methods' rows
+        those that share every setting but max_tokens and stop strings."""
+        if not self._joins(job) or job.method != first.method:
+            return False
+        return first.method == "ar" or job.batch_key() == first.batch_key()
+
+    def _joiners(self, first: Job, room: int) -> List[Job]:
         """Waiting jobs at the front of the queue that can join the running batch (first come,
         first served: a job that cannot join stops the taking; the batch then drains for it)."""
         taken = []
         with self._arrived:
             while room > len(taken) and self._jobs and self._jobs[0] is not None and \
-                    (self._resolve(self._jobs[0], busy=True) or self._joins(self._jobs[0])):
+                    (self._resolve(self._jobs[0], busy=True, running=first) or self._fits(first, self._jobs[0])):
                 job = self._jobs.popleft()
                 job.progress_at = time.monotonic()
                 if job.cancelled.is_set():
@@ -229,7 +247,7 @@ class GenerationWorker:
         leaves when it ends; its events go to its job as thread 0's."""
         rows = {}
         try:
-            decoder = self.engine.continuous_decoder(first.method)
+            decoder = self.engine.continuous_decoder(first.method, first.params)
         except Exception as error:  # noqa: BLE001  (reported to that request; the server goes on)
             first.put(error)
             first.put(DONE)
@@ -257,7 +275,7 @@ class GenerationWorker:
         admit(first)
         try:
             while rows:
-                for job in self._joiners(self.max_batch - len(rows)):
+                for job in self._joiners(first, self.max_batch - len(rows)):
                     admit(job)
                 for ident, job in list(rows.items()):
                     if job.cancelled.is_set():
