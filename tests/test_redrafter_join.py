@@ -20,10 +20,14 @@ LIMITS = [20, 35, 12, 30, 25]
 SETTINGS = [{}, {"beam_width": 2, "beam_length": 4, "draft_cutoff": 0.0}, {"lookup": 0}, {"runners_up": 0}]
 
 
-@pytest.fixture(scope="module")
-def engine():
+def tiny_engine():
     lm = make_tiny_lm(seed=4, eos_id=96)
     return engine_with(lm, oracle_head(lm, PROMPTS, corrupt=0.3))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine()
 
 
 def drive(decoder, joins, params_of, cancel_at=None):
@@ -182,3 +186,49 @@ def test_a_single_redrafter_request_resumes_from_the_prompt_cache_too():
     assert events[-1].stats.cached_tokens == len(MORE[3]) - 1
     assert [t for e in events if e.kind == "token" for t in e.tokens] == run(Engine(lm, drafter=None), turn, "ar",
                                                                              max_tokens=12)[0]
+
+
+def _serve(load, jobs_of, max_batch_bytes=None, stagger_s=0.0):
+    """The server's generation thread (serve/worker.py) on load()'s engine (made on that thread, as
+    MLX wants): jobs_of(loop) -> jobs to submit
+    (one every stagger_s); -> each job's (tokens, done stats), in order."""
+    import asyncio
+
+    from mlx_specdec.serve.worker import DONE, GenerationWorker
+
+    async def run():
+        worker = GenerationWorker(load, max_batch=8, max_batch_bytes=max_batch_bytes)
+        worker.wait_ready()
+        jobs = []
+        for job in jobs_of(asyncio.get_running_loop()):
+            jobs.append(worker.submit(job))
+            await asyncio.sleep(stagger_s)
+        out = []
+        for job in jobs:
+            tokens, stats = [], None
+            while (item := await asyncio.wait_for(job.events.get(), 60)) is not DONE:
+                assert not isinstance(item, Exception), item
+                tokens += item.tokens
+                stats = item.stats or stats
+            out.append((tokens, stats))
+        worker.stop()
+        worker.join(5)
+        return out
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("bound", [None, 1])
+def test_the_server_s_rows_join_within_the_memory_bound(engine, bound):
+    """Redrafter requests arriving one after another join one running batch (batch_rows > 1) and
+    each writes ar's answer; with a 1-byte bound no row joins another (each waits its turn)."""
+    from mlx_specdec.serve.worker import Job
+
+    def jobs_of(loop):
+        return [Job(MORE[i], "redrafter", GenerationParams(max_tokens=LIMITS[i]), loop) for i in range(len(MORE))]
+
+    out = _serve(tiny_engine, jobs_of, max_batch_bytes=bound, stagger_s=0.01)
+    for i, (tokens, stats) in enumerate(out):
+        assert tokens == run(engine, MORE[i], "ar", max_tokens=LIMITS[i])[0], i
+    rows = [stats.extra["batch_rows"] for _, stats in out]
+    assert (max(rows) > 1) if bound is None else rows == [1] * len(MORE), rows

@@ -38,13 +38,17 @@ from .contiguous import GROW_STEP, ContiguousKVCache
 DEFAULT_MAX_ENTRIES = 10  # mlx_lm.server's default prompt cache size
 
 
+def machine_memory() -> int:
+    """This machine's memory in bytes (16 GiB where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 16 << 30
+
+
 def default_max_bytes() -> int:
     """2 GiB, or an eighth of this machine's memory where that is less."""
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        ram = 16 << 30
-    return min(2 << 30, ram // 8)
+    return min(2 << 30, machine_memory() // 8)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -6,7 +6,7 @@ import os
 import signal
 import sys
 
-from ..cache.prefix import DEFAULT_MAX_ENTRIES, PrefixStore
+from ..cache.prefix import DEFAULT_MAX_ENTRIES, PrefixStore, machine_memory
 from ..errors import UserError
 from .args import DRAFTER_HELP, METHODS_HELP, _add_model_args, load_engine
 
@@ -27,8 +27,11 @@ def add_parser(sub) -> None:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 requests (default: none)")
     p.add_argument("--max-batch", type=int, default=8,
-                   help="at most this many waiting requests decoded together where the method batches "
-                        "(redrafter; 1 = one request at a time; default: 8)")
+                   help="at most this many requests decoded together as rows of one batch (ar and redrafter "
+                        "requests join a running batch at its next step; 1 = one request at a time; default: 8)")
+    p.add_argument("--max-batch-bytes", type=_size, default=None, metavar="BYTES",
+                   help="KV cache bytes a batch may hold; a request that would take it past waits for rows to "
+                        "leave (e.g. 4G; default: a quarter of this machine's memory)")
     p.add_argument("--prompt-cache-bytes", type=_size, default=None, metavar="BYTES",
                    help="KV cache bytes kept for resuming conversations (an LRU over several; e.g. 512M, 2G; "
                         "0 = off; default: 2G, or an eighth of this machine's memory where that is less)")
@@ -74,7 +77,11 @@ def cmd_serve(args) -> int:
         raise UserError(f"serve needs starlette and uvicorn ({exc.name} is missing): pip install starlette uvicorn")
     _check_port_free(args.host, args.port)  # before the model loads, not after
     # the engine loads on the generation thread, which makes every MLX call (serve/worker.py)
-    worker = GenerationWorker(lambda: load_engine(args, reuse_prefix=prompt_cache), max_batch=args.max_batch)
+    batch_bytes = args.max_batch_bytes if args.max_batch_bytes is not None else machine_memory() // 4
+    if batch_bytes <= 0:
+        raise UserError(f"--max-batch-bytes must be more than 0, not {args.max_batch_bytes}")
+    worker = GenerationWorker(lambda: load_engine(args, reuse_prefix=prompt_cache), max_batch=args.max_batch,
+                              max_batch_bytes=batch_bytes)
     app = create_app(worker, method=args.method, api_key=args.api_key, model_spec=args.model)
     print(f"serving {worker.engine.lm.name} ({args.method}) on http://{args.host}:{args.port}/v1 (Ctrl-C stops)",
           file=sys.stderr, flush=True)

@@ -86,6 +86,19 @@ class RowBatch:
         self._next_id += 1
         return row, ctx, alone
 
+    def bytes_with(self, prompt_tokens: int) -> int:
+        """The batch cache's bytes once a row of `prompt_tokens` joins (rows share one width)."""
+        cache, valid = self._kv()
+        if cache is None or not valid.shape[0] or cache.layers[0].keys is None:
+            return 0
+        rows, width = valid.shape
+        per_slot = sum(layer.keys[:1, :, :1].nbytes + layer.values[:1, :, :1].nbytes for layer in cache.layers)
+        return (rows + 1) * max(width, prompt_tokens) * per_slot
+
+    def _kv(self):
+        """(the batch cache or None, its valid (B, P))."""
+        raise NotImplementedError
+
     def cancel(self, ident: int) -> List[Event]:
         """End a row now (its client left): its held text and its `done`, reason "cancelled"."""
         for b, row in enumerate(self.rows):
@@ -141,6 +154,9 @@ class ContinuousDecoder(RowBatch):
         super().__init__(lm, resources, method)
         self.cache: Optional[ContiguousKVCache] = None
         self.valid = np.zeros((0, 0), dtype=bool)  # (B, P): which slots hold each row's tokens
+
+    def _kv(self):
+        return self.cache, self.valid
 
     def join(self, prompt: Sequence[int], params: GenerationParams) -> int:
         """Prefill `prompt` alone and add it as a row; its first token comes at the next step."""

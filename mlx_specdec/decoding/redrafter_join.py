@@ -107,6 +107,9 @@ class ContinuousRedrafter(RowBatch):
         self.loop.begin_empty()
         self._by_ident: Dict[int, int] = {}
 
+    def _kv(self):
+        return self.loop.cache, self.loop.valid
+
     def join(self, prompt: Sequence[int], params: GenerationParams) -> int:
         """Prefill `prompt` alone and add it as a row; its first token comes at the next step."""
         row, ctx, alone = self._open(prompt, params)

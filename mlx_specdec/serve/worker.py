@@ -69,10 +69,14 @@ class Job:
 
 
 class GenerationWorker:
-    def __init__(self, load: Callable[[], object], max_batch: int = 8, stall_s: float = STALL_S):
+    def __init__(self, load: Callable[[], object], max_batch: int = 8, stall_s: float = STALL_S,
+                 max_batch_bytes: Optional[int] = None):
         """load() -> the engine, called on the generation thread itself: MLX keeps streams per
         thread, and arrays made on one thread's stream (a lazily loaded draft head, a compiled
-        draft) then fail on another ("There is no Stream(cpu, 0) in current thread")."""
+        draft) then fail on another ("There is no Stream(cpu, 0) in current thread").
+        max_batch_bytes: the KV cache bytes a continuous batch may hold (None: no bound but
+        max_batch rows); a request whose row would take it past waits for rows to leave."""
+        self.max_batch_bytes = max_batch_bytes
         self.engine = None
         self.support: dict = {}  # method -> None (runs) or why not, found on the generation thread
         self.error: Optional[BaseException] = None
@@ -226,21 +230,26 @@ class GenerationWorker:
             return False
         return first.method == "ar" or job.batch_key() == first.batch_key()
 
-    def _joiners(self, first: Job, room: int) -> List[Job]:
-        """Waiting jobs at the front of the queue that can join the running batch (first come,
-        first served: a job that cannot join stops the taking; the batch then drains for it)."""
-        taken = []
+    def _joiner(self, first: Job, decoder) -> Optional[Job]:
+        """The job at the front of the queue, taken if it can join the running batch now (first
+        come, first served: one that cannot waits, and the batch drains for it; one that would
+        take the batch's cache past max_batch_bytes waits for rows to leave)."""
         with self._arrived:
-            while room > len(taken) and self._jobs and self._jobs[0] is not None and \
-                    (self._resolve(self._jobs[0], busy=True, running=first) or self._fits(first, self._jobs[0])):
-                job = self._jobs.popleft()
+            while self._jobs and self._jobs[0] is not None:
+                job = self._jobs[0]
+                self._resolve(job, busy=True, running=first)
+                if not self._fits(first, job):
+                    return None
+                if self.max_batch_bytes and decoder.bytes_with(len(job.prompt_ids)) > self.max_batch_bytes:
+                    return None
+                self._jobs.popleft()
                 job.progress_at = time.monotonic()
-                if job.cancelled.is_set():
+                if job.cancelled.is_set():  # the client left while it waited
                     job.put(DONE)
                     continue
-                taken.append(job)
                 self._running.append(job)
-        return taken
+                return job
+        return None
 
     def _run_continuous(self, first: Job) -> None:
         """Plain decoding as a continuous batch: waiting requests join at every step, each row
@@ -275,7 +284,10 @@ class GenerationWorker:
         admit(first)
         try:
             while rows:
-                for job in self._joiners(first, self.max_batch - len(rows)):
+                while len(rows) < self.max_batch:
+                    job = self._joiner(first, decoder)
+                    if job is None:
+                        break
                     admit(job)
                 for ident, job in list(rows.items()):
                     if job.cancelled.is_set():
