@@ -157,3 +157,24 @@ def test_bench_says_when_redrafter_runs_on_the_shipped_verify_costs(home, tmp_pa
     assert ("`mlx-specdec calibrate`" in ran.stderr) == cost_probe.on_cpu()  # a GPU uses no table
     ran = cli(*args, "--methods", "ar", env=env)
     assert ran.returncode == 0 and "calibrate" not in ran.stderr
+
+
+def test_a_gpu_never_calibrated_measures_on_first_use_and_keeps_it(home, monkeypatch, capsys):
+    """No table for this model on a GPU: the first redrafter use measures a short table (the
+    contexts that fit the window), saves it, and later uses read it instead of measuring."""
+    lm = make_tiny_lm(seed=1)  # a 512-token window: only the 150-token context fits
+    monkeypatch.setattr(cost_probe, "on_cpu", lambda: False)
+    monkeypatch.setenv(cost_probe.NO_FIRST_USE_ENV, "1")
+    assert cost_probe.cost_table_for(lm) is None  # switched off: every draft the cutoff keeps is verified
+    monkeypatch.delenv(cost_probe.NO_FIRST_USE_ENV)
+    table = cost_probe.cost_table_for(lm)
+    assert "measuring what a verify costs" in capsys.readouterr().err
+    assert table.contexts.tolist() == [150] and table.costs.shape == (1, cost_probe.DEFAULT_TOKENS)
+    assert "first use" in table.source and (np.diff(table.costs, axis=1) >= 0).all()
+
+    def measure_again(*args, **kwargs):
+        raise AssertionError("measured twice")
+
+    monkeypatch.setattr(cost_probe, "measure_table", measure_again)
+    again = cost_probe.cost_table_for(lm)
+    assert np.allclose(again.costs, table.costs, atol=1e-3) and "first use" not in again.source

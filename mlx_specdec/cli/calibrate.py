@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
                                    "this machine and store the table in the user cache, where redrafter's "
                                    "--verify-cost rule reads it (it decides how many drafts a step verifies). "
                                    "Without one the CPU uses a table shipped from another machine and a GPU "
-                                   "verifies every draft the cutoff keeps. On the CPU it first times the "
+                                   "measures a short one at first use. On the CPU it first times the "
                                    "float32 weights row- against column-major and keeps the faster (the table "
                                    "holds for that layout only). Run it on a quiet machine; about two minutes "
                                    "for the default model.")

@@ -29,6 +29,8 @@ on a convex table.
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -44,6 +46,11 @@ from .verify_cost import CostTable, shipped_table
 DEFAULT_CONTEXTS = (150, 2000, 6000)
 DEFAULT_TOKENS = 8  # T = 1..8: ReDrafter's default chains verify at most 5, lookup streaks more
 DEFAULT_ROUNDS = 21  # cheap next to the 6,000-token prefill; the fit is steadier with more
+# On first use on a GPU: a chat's and a long document's context, a few rounds (a GPU forward
+# takes milliseconds, so this is seconds); `calibrate` measures more.
+FIRST_USE_CONTEXTS = (150, 2000)
+FIRST_USE_ROUNDS = 5
+NO_FIRST_USE_ENV = "MLX_SPECDEC_NO_FIRST_USE_CALIBRATION"
 # How far a stored row's steps may shrink and still count as convex: a fit rounded to 4 decimals
 # (`save_table`) moves a second difference by 2e-4 at most.
 CONVEX_SLACK = 1e-3
@@ -152,8 +159,31 @@ def is_convex(costs: np.ndarray, slack: float = CONVEX_SLACK) -> bool:
 
 def cost_table_for(lm) -> Optional[CostTable]:
     """The table ReDrafter's step length uses: this machine's, else the shipped one on the CPU,
-    else none (a GPU not calibrated: every draft the cutoff keeps is verified)."""
+    else (a GPU never calibrated for this model) a short measurement made now and kept, unless
+    $MLX_SPECDEC_NO_FIRST_USE_CALIBRATION is set (then none: every draft the cutoff keeps is
+    verified)."""
     measured = load_table(lm)
     if measured is not None:
         return measured
-    return shipped_table() if on_cpu() else None
+    if on_cpu():
+        return shipped_table()
+    if os.environ.get(NO_FIRST_USE_ENV):
+        return None
+    return measure_on_first_use(lm)
+
+
+def measure_on_first_use(lm) -> Optional[CostTable]:
+    """A GPU's table measured in a few seconds (fewer contexts and rounds than `calibrate`) and
+    saved, so the first redrafter answer on a new machine plans its steps by that machine's costs."""
+    contexts = [c for c in FIRST_USE_CONTEXTS if c <= lm.context_length - DEFAULT_TOKENS]
+    if not contexts:
+        return None
+    print(f"measuring what a verify costs on this {machine()['device']} for {lm.name}, once "
+          f"(`mlx-specdec calibrate` measures it more closely) ...", file=sys.stderr, flush=True)
+    try:
+        table = measure_table(lm.model, contexts, DEFAULT_TOKENS, FIRST_USE_ROUNDS)
+    except (RuntimeError, ValueError, MemoryError) as error:  # a device that cannot: speculate without it
+        print(f"warning: could not measure the verify cost ({error}); verifying every draft kept", file=sys.stderr)
+        return None
+    path = save_table(lm, table, FIRST_USE_ROUNDS)
+    return CostTable(table.contexts, table.costs, f"measured on first use ({path})", table.ratios)

@@ -40,8 +40,8 @@ is a stopping rule the same way.
 
 The table is the machine's own when `mlx-specdec calibrate` has measured it there for this model
 (drafting/cost_probe.py: machines differ, even of one kind). Without one, the CPU uses the
-shipped table below; a GPU (Metal or CUDA), where a few more query tokens cost little, verifies
-every draft the cutoff keeps.
+shipped table below; a GPU (Metal or CUDA), where no shipped table would fit, measures a short
+one at its first use (seconds) and keeps it.
 """
 
 from __future__ import annotations
