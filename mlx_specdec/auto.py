@@ -10,8 +10,13 @@ of the latest answers each method wrote, and per request it takes, in order:
   explore   one of them not yet measured in this band: `ar` first where the prediction below
             says `redrafter` would lose or cannot say, else `redrafter`; then the other, once, to
             compare, unless the prediction says `redrafter` loses clearly (below LOSES);
-  busy      other requests running beside this one (the server): `ar`, whose continuous batch
-            serves many at once better than speculation's rows do.
+  busy      other requests waiting beside this one (the server): `ar`, whose continuous batch
+            serves many at once better than speculation's rows do. A request arriving while a
+            continuous batch runs joins it instead (serve/worker.py): an `ar` batch always, a
+            `redrafter` batch while it holds fewer than JOIN_SPEC_ROWS rows.
+
+Rates come from answers that decoded alone (a batch's rows share their steps and say nothing
+about either method alone).
 
 The prediction, before any answer, is speculation's expected tokens a step (PRIOR_TOKENS, by
 greedy or sampled) over a step's cost in plain forwards at this context: the verify-cost table's
@@ -37,6 +42,7 @@ PRIOR_TOKENS = {True: 1.9, False: 1.6}  # tokens a speculative step is expected 
 STEP_TOKENS = 5  # tokens a step is expected to verify (the own token and its drafts)
 DRAFT_OVERHEAD = 1.15  # a step's drafting and host work, on top of its verify
 BANDS = (1024, 4096)  # prompt-length bands: below 1k tokens, below 4k, longer
+JOIN_SPEC_ROWS = 4  # a running redrafter batch takes `auto` requests while it has fewer rows than this
 
 
 class Choice(NamedTuple):

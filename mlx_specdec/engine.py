@@ -233,6 +233,11 @@ class Engine:
         finally:
             events.close()  # stopped early: the strategy's `finally` runs now (its cache rolls back)
 
+    def record_alone(self, method: str, prompt_tokens: int, params: GenerationParams, stats) -> None:
+        """An answer that decoded alone, for `auto`'s measured rates (the server's batch rows)."""
+        if method in ("ar", "redrafter"):
+            self.chooser.record(method, prompt_tokens, params.greedy, stats.decode_tps, stats.generated_tokens)
+
     def method_support(self) -> Dict[str, Optional[str]]:
         """Per method: None where this model can run it, else why not (one line). Loads the
         artifacts a method needs (the head, the APAR adapter): call it on the thread that decodes."""

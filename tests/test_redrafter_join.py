@@ -232,3 +232,25 @@ def test_the_server_s_rows_join_within_the_memory_bound(engine, bound):
         assert tokens == run(engine, MORE[i], "ar", max_tokens=LIMITS[i])[0], i
     rows = [stats.extra["batch_rows"] for _, stats in out]
     assert (max(rows) > 1) if bound is None else rows == [1] * len(MORE), rows
+
+
+def test_auto_requests_join_a_small_running_redrafter_batch_and_wait_beside_a_big_one():
+    """`auto` takes a running batch's method while a redrafter batch has fewer than
+    JOIN_SPEC_ROWS rows; past that it chooses by itself (busy: `ar`) and waits for the drain."""
+    from mlx_specdec.auto import JOIN_SPEC_ROWS
+    from mlx_specdec.serve.worker import Job
+
+    count = JOIN_SPEC_ROWS + 2
+
+    def jobs_of(loop):
+        first = Job(MORE[1], "redrafter", GenerationParams(max_tokens=60), loop)
+        return [first] + [Job(MORE[i % 3], "auto", GenerationParams(max_tokens=4), loop) for i in range(count)]
+
+    out = _serve(tiny_engine, jobs_of, stagger_s=0.0)
+    chose = [stats.extra["auto"] for _, stats in out[1:]]
+    joined = [c["chose"] == "redrafter" and "joins the running" in c["why"] for c in chose]
+    assert joined == [True] * (JOIN_SPEC_ROWS - 1) + [False] * (count - JOIN_SPEC_ROWS + 1), chose
+    assert all(c["chose"] == "ar" for c, j in zip(chose, joined) if not j)
+    engine = tiny_engine()
+    for (tokens, _), i in zip(out[1:], range(count)):
+        assert tokens == run(engine, MORE[i % 3], "ar", max_tokens=4)[0]

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Deque, List, Optional
 
 from ..decoding import Event, GenerationParams
+from ..auto import JOIN_SPEC_ROWS
 from ..engine import AUTO, BATCH_METHODS, JOIN_METHODS
 from ..settings import batch_key
 
@@ -237,7 +238,8 @@ class GenerationWorker:
         with self._arrived:
             while self._jobs and self._jobs[0] is not None:
                 job = self._jobs[0]
-                self._resolve(job, busy=True, running=first)
+                joinable = first.method == "ar" or decoder.live < JOIN_SPEC_ROWS  # for `auto`
+                self._resolve(job, busy=True, running=first if joinable else None)
                 if not self._fits(first, job):
                     return None
                 if self.max_batch_bytes and decoder.bytes_with(len(job.prompt_ids)) > self.max_batch_bytes:
@@ -275,6 +277,10 @@ class GenerationWorker:
                 if job is None:
                     continue
                 job.put(dataclasses.replace(event, thread_id=0))
+                if event.kind == "done" and event.stats is not None and event.stats.extra.get("batch_rows") == 1:
+                    record = getattr(self.engine, "record_alone", None)  # `auto` learns from answers decoded alone
+                    if record is not None:
+                        record(job.method, len(job.prompt_ids), job.params, event.stats)
                 if event.kind == "done":
                     job.put(DONE)
                     del rows[event.thread_id]
