@@ -13,7 +13,7 @@ of the latest answers each method wrote, and per request it takes, in order:
   busy      other requests waiting beside this one (the server): `ar`, whose continuous batch
             serves many at once better than speculation's rows do. A request arriving while a
             continuous batch runs joins it instead (serve/worker.py): an `ar` batch always, a
-            `redrafter` batch while it holds fewer than JOIN_SPEC_ROWS rows.
+            `redrafter` batch while it holds fewer than `join_spec_rows()` rows.
 
 Rates come from answers that decoded alone (a batch's rows share their steps and say nothing
 about either method alone).
@@ -42,7 +42,16 @@ PRIOR_TOKENS = {True: 1.9, False: 1.6}  # tokens a speculative step is expected 
 STEP_TOKENS = 5  # tokens a step is expected to verify (the own token and its drafts)
 DRAFT_OVERHEAD = 1.15  # a step's drafting and host work, on top of its verify
 BANDS = (1024, 4096)  # prompt-length bands: below 1k tokens, below 4k, longer
-JOIN_SPEC_ROWS = 4  # a running redrafter batch takes `auto` requests while it has fewer rows than this
+# A running redrafter batch takes `auto` requests while it has fewer rows than this: past it plain
+# decoding's batch serves more (each row's verify multiplies the batch's work; the CPU runs out of
+# compute sooner than a GPU runs out of bandwidth). docs/decisions.md has the figures.
+JOIN_SPEC_ROWS = {"cpu": 2, "gpu": 4}
+
+
+def join_spec_rows() -> int:
+    from .model.device import on_cpu
+
+    return JOIN_SPEC_ROWS["cpu" if on_cpu() else "gpu"]
 
 
 class Choice(NamedTuple):

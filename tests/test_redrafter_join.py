@@ -236,10 +236,11 @@ def test_the_server_s_rows_join_within_the_memory_bound(engine, bound):
 
 def test_auto_requests_join_a_small_running_redrafter_batch_and_wait_beside_a_big_one():
     """`auto` takes a running batch's method while a redrafter batch has fewer than
-    JOIN_SPEC_ROWS rows; past that it chooses by itself (busy: `ar`) and waits for the drain."""
-    from mlx_specdec.auto import JOIN_SPEC_ROWS
+    join_spec_rows() rows; past that it chooses by itself (busy: `ar`) and waits for the drain."""
+    from mlx_specdec.auto import join_spec_rows
     from mlx_specdec.serve.worker import Job
 
+    JOIN_SPEC_ROWS = join_spec_rows()
     count = JOIN_SPEC_ROWS + 2
 
     def jobs_of(loop):

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Deque, List, Optional
 
 from ..decoding import Event, GenerationParams
-from ..auto import JOIN_SPEC_ROWS
+from ..auto import join_spec_rows
 from ..engine import AUTO, BATCH_METHODS, JOIN_METHODS
 from ..settings import batch_key
 
@@ -238,7 +238,7 @@ class GenerationWorker:
         with self._arrived:
             while self._jobs and self._jobs[0] is not None:
                 job = self._jobs[0]
-                joinable = first.method == "ar" or decoder.live < JOIN_SPEC_ROWS  # for `auto`
+                joinable = first.method == "ar" or decoder.live < join_spec_rows()  # for `auto`
                 self._resolve(job, busy=True, running=first if joinable else None)
                 if not self._fits(first, job):
                     return None
