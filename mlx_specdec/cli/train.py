@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import List
 
@@ -24,7 +25,13 @@ def add_parser(sub) -> None:
                           "distillation cache (default: $MLX_SPECDEC_HOME/drafter-data/<output name>)",
                           "drafter-checkpoints")
     p.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap (default: %(default)s)")
-    p.add_argument("--data-batch", type=int, default=32, help="prompts per generation batch (default: %(default)s)")
+    p.add_argument("--data-batch", default="auto",
+                   help="prompts per generation batch, or auto: time a few batch sizes on a few short "
+                        "answers and take the fastest (default: %(default)s)")
+    p.add_argument("--budget-minutes", type=float, default=None, metavar="N",
+                   help="one wall-clock budget for the whole command: time the data generation on a first "
+                        "block of prompts, distil as many as fit in about half of it, train in the rest "
+                        "(less a reserve for the held-out evaluation); the same command resumes the plan"),
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="K most frequent answer tokens the head predicts (default: %(default)s)")
     p.add_argument("--draft-length", type=int, default=5, help="tokens trained per window (default: %(default)s)")
@@ -144,6 +151,7 @@ def cmd_train_drafter(args) -> int:
     from ..redrafter_head.train import TrainConfig, run_pipeline
     from ..model.default import home
 
+    started = time.perf_counter()  # the budget counts from here, model loading included
     if args.draft_vocab <= 0 or args.draft_length <= 0 or args.batch_size <= 0:
         raise UserError("--draft-vocab, --draft-length and --batch-size must be positive")
     if args.epochs <= 0 or args.lr <= 0:
@@ -157,6 +165,15 @@ def cmd_train_drafter(args) -> int:
         raise UserError("--output-kind is draft_vocab or llm_head")
     if args.data_only and args.no_generate:
         raise UserError("--data-only and --no-generate together would do nothing")
+    data_batch = _data_batch(args.data_batch)
+    if args.budget_minutes is not None:
+        if args.budget_minutes <= 0:
+            raise UserError("--budget-minutes must be positive")
+        clash = [flag for flag, on in (("--max-minutes", args.max_minutes is not None),
+                                       ("--max-steps", args.max_steps is not None), ("--data-only", args.data_only),
+                                       ("--no-generate", args.no_generate)) if on]
+        if clash:
+            raise UserError(f"--budget-minutes plans the whole run; leave out {', '.join(clash)}")
     engine = load_engine(args)
     tag = Path(args.output).name
     data_dir = Path(args.data_dir) if args.data_dir else home() / "drafter-data" / tag
@@ -167,11 +184,46 @@ def cmd_train_drafter(args) -> int:
                       max_steps=args.max_steps, max_minutes=args.max_minutes,
                       output=args.output_kind, feature_loss=args.feature_loss,
                       soft_targets=args.soft_targets, init_from=str(Path(args.init_from).resolve()) if args.init_from else None)
+    if args.budget_minutes is not None:
+        from ..redrafter_head.budget import run_budget
+        run_budget(engine.lm, prompts, data_dir, Path(args.output), ckpt, cfg, args.budget_minutes,
+                   args.max_new_tokens, data_batch, started, _log)
+        return 0
     run_pipeline(engine.lm, prompts, data_dir, Path(args.output), ckpt, cfg,
-                 max_new_tokens=args.max_new_tokens, data_batch=args.data_batch,
+                 max_new_tokens=args.max_new_tokens, data_batch=_batch_measure(engine.lm, prompts, data_batch),
                  measure_k=not args.skip_k_measure, log=_log, data_only=args.data_only,
-                 generate=not args.no_generate)
+                 generate=not args.no_generate, started=started)
     return 0
+
+
+def _data_batch(value: str):
+    """--data-batch: "auto" or a positive whole number."""
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) <= 0:
+        raise UserError(f"--data-batch is a positive whole number or auto, not {value!r}")
+    return int(value)
+
+
+def _batch_measure(lm, prompts, data_batch):
+    """The batch size, or for auto a callable that measures it once on the first prompts (called only
+    when there is data to generate)."""
+    if data_batch != "auto":
+        return data_batch
+    from ..redrafter_head.budget import batch_table_line, measure_batches, pick_batch
+    from ..redrafter_head.data import load_train_prompts, row_messages
+
+    chosen = []
+
+    def measure() -> int:
+        if not chosen:
+            rows = load_train_prompts(prompts[0])[:64]
+            begin = time.perf_counter()
+            table = measure_batches(lm, [lm.encode_chat(row_messages(r)) for r in rows])
+            chosen.append(pick_batch(table))
+            _log(batch_table_line(table, chosen[0], time.perf_counter() - begin))
+        return chosen[0]
+    return measure
 
 
 def cmd_train_apar(args) -> int:

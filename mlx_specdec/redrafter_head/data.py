@@ -33,6 +33,7 @@ from .. import masks
 from ..cache.contiguous import ContiguousKVCache
 from ..errors import UserError
 from ..model.forward import forward
+from .budget import Progress
 
 VALID_FRACTION = 0.05
 
@@ -159,7 +160,7 @@ class DataConfig:
     prompts: Path
     out: Path
     max_new_tokens: int = 192
-    batch_size: int = 32
+    batch_size: object = 32  # an int, or a callable that measures it (--data-batch auto)
     shard_prompts: int = 32  # prompts per shard file
     limit: Optional[int] = None
 
@@ -168,10 +169,11 @@ def _shards(rows: List[dict], size: int) -> List[List[dict]]:
     return [rows[i : i + size] for i in range(0, len(rows), size)]
 
 
-def generate_data(lm, cfg: DataConfig, log=print) -> Dict[str, int]:
-    """Generate (or resume) the distillation shards. Returns token counts per split."""
-    from tqdm import tqdm
-
+def generate_data(lm, cfg: DataConfig, log=print, stats: Optional[Dict] = None) -> Dict[str, int]:
+    """Generate (or resume) the distillation shards. Returns token counts per split. `cfg.batch_size`
+    may be a callable that gives it, called only when there is something to generate (so that
+    `--data-batch auto` measures nothing on a finished data directory). `stats` gains this run's
+    new tokens, seconds and batch size."""
     rows = load_train_prompts(cfg.prompts)
     if cfg.limit:
         rows = rows[: cfg.limit]
@@ -185,7 +187,7 @@ def generate_data(lm, cfg: DataConfig, log=print) -> Dict[str, int]:
     if meta_file.exists():  # resuming: the shards keep the size they were cut with
         shard_prompts = json.loads(meta_file.read_text()).get("shard_prompts", 32)
     else:  # a batch never spans shards: a shard holds at least one batch
-        shard_prompts = max(cfg.shard_prompts, cfg.batch_size)
+        shard_prompts = max(cfg.shard_prompts, cfg.batch_size if isinstance(cfg.batch_size, int) else 64)
     meta_file.write_text(json.dumps({
         "model": lm.name, "prompts": str(cfg.prompts), "max_new_tokens": cfg.max_new_tokens,
         "shard_prompts": shard_prompts,
@@ -206,29 +208,64 @@ def generate_data(lm, cfg: DataConfig, log=print) -> Dict[str, int]:
     todo = [t[1:] for t in sorted(todo, key=lambda t: t[0])]
     pending = [t for t in todo if not t[1].exists()]
     log(f"{len(todo)} shards, {len(todo) - len(pending)} already done")
-    bar = tqdm(total=sum(len(t[2]) for t in pending), unit="prompt", desc="distill", mininterval=5)
+    batch_size = (cfg.batch_size() if callable(cfg.batch_size) else cfg.batch_size) if pending else 0
+    bar = Progress(sum(len(t[2]) for t in pending), "distill", "prompt", log=log, enabled=bool(pending))
     new_tokens, t0 = 0, time.perf_counter()
     for split, path, shard in pending:
         results = []
-        for batch in _shards(shard, cfg.batch_size):
+        for batch in _shards(shard, batch_size):
             results += batched_greedy(lm, [enc[r["id"]] for r in batch], cfg.max_new_tokens)
             new_tokens += sum(len(r[0]) for r in results[-len(batch):])
-            bar.update(len(batch))
             bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.1f}")
-        lengths = [len(r[0]) for r in results]
-        tmp = path.with_name(path.stem + ".tmp.npz")
-        np.savez(tmp,
-                 tokens=np.concatenate([np.array(r[0], np.int32) for r in results]),
-                 hidden=np.concatenate([r[1] for r in results]),
-                 offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-                 prompt_ids=np.array([r["id"] for r in shard]),
-                 prompt_lengths=np.array([len(enc[r["id"]]) for r in shard], np.int32))
-        tmp.rename(path)
+            bar.update(len(batch))
+        write_shard(path, shard, results, enc)
     bar.close()
     for split in splits:
         counts[split] = sum(int(np.load(p)["offsets"][-1]) for p in sorted((cfg.out / split).glob("shard-*.npz")))
-    log(f"new tokens this run: {new_tokens} in {time.perf_counter() - t0:.0f} s; totals {counts}")
+    seconds = time.perf_counter() - t0
+    log(f"new tokens this run: {new_tokens} in {seconds:.0f} s; totals {counts}")
+    if stats is not None:
+        stats.update(tokens=stats.get("tokens", 0) + new_tokens, seconds=stats.get("seconds", 0.0) + seconds,
+                     batch=batch_size)
     return counts
+
+
+def write_shard(path: Path, rows: List[dict], results, enc: Dict, width: int = 0) -> None:
+    """One shard file, written under a temporary name and renamed (a shard that exists is whole).
+    `results` are batched_greedy's (response ids, hidden) for `rows`, in order; `width` the hidden
+    size, for a shard with no rows."""
+    lengths = [len(r[0]) for r in results]
+    width = results[0][1].shape[1] if results else width
+    tmp = path.with_name(path.stem + ".tmp.npz")
+    np.savez(tmp,
+             tokens=np.concatenate([np.zeros(0, np.int32)] + [np.array(r[0], np.int32) for r in results]),
+             hidden=np.concatenate([np.zeros((0, width), np.float16)] + [r[1] for r in results]),
+             offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+             prompt_ids=np.array([r["id"] for r in rows]),
+             prompt_lengths=np.array([len(enc[r["id"]]) for r in rows], np.int32))
+    tmp.rename(path)
+
+
+def distil_block(lm, rows: List[dict], enc: Dict, directory: Path, index: int, batch_size: int,
+                 max_new_tokens: int, on_batch=None) -> int:
+    """Distil one block of prompts (`train-drafter --budget-minutes`): answered in batches by prompt
+    length; its held-out rows (by the id hash) go to valid/shard-<index>.npz if it has any, the rest to
+    train/shard-<index>.npz, written last so that it marks the block done. `on_batch(prompts, tokens)`
+    after each batch. Returns the new tokens."""
+    rows = sorted(rows, key=lambda r: len(enc[r["id"]]))
+    results = []
+    for batch in _shards(rows, batch_size):
+        results += batched_greedy(lm, [enc[r["id"]] for r in batch], max_new_tokens)
+        if on_batch is not None:
+            on_batch(len(batch), sum(len(r[0]) for r in results[-len(batch):]))
+    width = results[0][1].shape[1]
+    for split in ("valid", "train"):
+        picked = [(r, res) for r, res in zip(rows, results) if is_validation(r["id"]) == (split == "valid")]
+        if picked or split == "train":
+            (directory / split).mkdir(parents=True, exist_ok=True)
+            write_shard(directory / split / f"shard-{index:04d}.npz", [r for r, _ in picked],
+                        [res for _, res in picked], enc, width)
+    return sum(len(r[0]) for r in results)
 
 
 @dataclass

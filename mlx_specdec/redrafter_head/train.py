@@ -38,6 +38,7 @@ from .model import (DrafterConfig, DrafterHead, llm_output_rows, llm_shapes, loa
                    tokenizer_hash)
 from .teacher_forcing import Windows, evaluate_head, llm_embedding_table, loss_fn
 from .vocab import draft_vocabulary, measure_draft_vocab
+from .budget import Progress, cost_lines, cost_report
 
 
 @dataclass
@@ -98,13 +99,15 @@ class TrainResult:
     losses: List[float] = field(default_factory=list)
     wall_s: float = 0.0
     masked_fraction: float = 0.0  # of (position, draft step) targets outside the draft vocabulary
+    steps_per_s: float = 0.0  # this run's steps after the first WARM_STEPS (compilation left out)
+
+
+WARM_STEPS = 2  # steps left out of the step rate (the first compiles the step)
 
 
 def train_head(lm, train: Sequences, cfg: TrainConfig, checkpoint_dir: Optional[Path] = None,
                draft_to_full: Optional[np.ndarray] = None, log: Callable[[str], None] = print,
                progress: bool = True) -> TrainResult:
-    from tqdm import tqdm
-
     hidden_size, embed_size, vocab = llm_shapes(lm)
     start = load_drafter(cfg.init_from, lm) if cfg.init_from else None
     if start is not None:  # go on from a saved head: its draft vocabulary, blocks and output stay
@@ -189,7 +192,8 @@ def train_head(lm, train: Sequences, cfg: TrainConfig, checkpoint_dir: Optional[
     stop = total if cfg.max_steps is None else min(total, cfg.max_steps)
     losses: List[float] = []
     t0 = time.perf_counter()
-    bar = tqdm(total=stop, initial=step, desc="train", unit="step", disable=not progress, mininterval=2)
+    bar = Progress(stop, "train", "step", initial=step, enabled=progress, log=log)
+    first, t_warm = step, None
     epoch_cache = (-1, None)
     try:
         while step < stop:
@@ -205,6 +209,8 @@ def train_head(lm, train: Sequences, cfg: TrainConfig, checkpoint_dir: Optional[
             loss = train_step(*windows.batch(pos), *([teacher_rows] if cfg.soft_targets else []))
             mx.eval(loss, head.state, opt.state)
             step += 1
+            if step - first == WARM_STEPS:
+                t_warm = time.perf_counter()
             losses.append(loss.item())  # host sync: one per step, for the progress bar
             bar.update(1)
             bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}", lr=f"{float(opt.learning_rate):.1e}")
@@ -212,7 +218,9 @@ def train_head(lm, train: Sequences, cfg: TrainConfig, checkpoint_dir: Optional[
                 _save_checkpoint(Path(checkpoint_dir), head, opt, step, meta)
     finally:
         bar.close()
-    return TrainResult(head, step, losses, time.perf_counter() - t0, masked_fraction)
+    end = time.perf_counter()
+    rate = (step - first - WARM_STEPS) / (end - t_warm) if t_warm is not None and end > t_warm else 0.0
+    return TrainResult(head, step, losses, end - t0, masked_fraction, rate)
 
 
 def grown_weights(start: DrafterHead, head: DrafterHead):
@@ -225,44 +233,67 @@ def grown_weights(start: DrafterHead, head: DrafterHead):
 
 
 def run_pipeline(lm, prompts: Sequence[Path], data_dir: Path, output: Path, checkpoint_dir: Path,
-                 cfg: TrainConfig, max_new_tokens: int = 192, data_batch: int = 32,
+                 cfg: TrainConfig, max_new_tokens: int = 192, data_batch=32,
                  measure_k: bool = True, log: Callable[[str], None] = print,
-                 data_only: bool = False, generate: bool = True) -> Dict[str, object]:
+                 data_only: bool = False, generate: bool = True,
+                 started: Optional[float] = None) -> Dict[str, object]:
     """Distillation data (resumable) -> K measurement -> training (resumable) -> eval -> save.
+    data_batch: an int, or a callable that measures it when there is data to generate.
     data_only: stop after the data (a long generation run, resumed later, trains nothing).
-    generate=False: train on the shards already there (a data run stopped part-way)."""
+    generate=False: train on the shards already there (a data run stopped part-way).
+    started: the command's start (time.perf_counter()), for the total time in the cost report."""
     from .data import DataConfig, generate_data
 
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() if started is None else started
     directories = [Path(data_dir) / Path(p).stem for p in prompts]  # one data directory per prompt file
+    stats: Dict[str, float] = {}
     if generate:
         for prompt_file, directory in zip(prompts, directories):
             generate_data(lm, DataConfig(prompts=Path(prompt_file), out=directory,
-                                         max_new_tokens=max_new_tokens, batch_size=data_batch), log=log)
+                                         max_new_tokens=max_new_tokens, batch_size=data_batch), log=log,
+                          stats=stats)
         train, valid = load_splits(directories, "train"), load_splits(directories, "valid")
     else:  # a stopped data run: whatever shards each directory has
         train, valid = _existing_split(directories, "train", log), _existing_split(directories, "valid", log)
         if train is None:
             raise UserError(f"no distillation shards under {data_dir} for these prompt files; "
                             "run the data step first (without --no-generate)")
+    train, valid = usable_splits(prompts, train, valid, log)
+    if data_only:
+        return {"data": {"train_tokens": int(len(train.tokens)), "valid_tokens": int(len(valid.tokens))}}
+    return train_and_save(lm, train, valid, output, checkpoint_dir, cfg, max_new_tokens, t0, stats,
+                          measure_k=measure_k, log=log)
+
+
+def usable_splits(prompts: Sequence[Path], train: Sequences, valid: Optional[Sequences], log):
+    """The splits without answers to prompts that nearly copy a bench prompt (or left their file)."""
     usable = training_prompt_ids(prompts)
     train, valid = (_only_current_prompts(seqs, usable, log) for seqs in (train, valid))
     log(f"data: {len(train.offsets) - 1} train answers / {len(train.tokens)} tokens, "
         + (f"{len(valid.offsets) - 1} valid answers / {len(valid.tokens)} tokens" if valid is not None else "no valid answers"))
-    if data_only:
-        return {"data": {"train_tokens": int(len(train.tokens)), "valid_tokens": int(len(valid.tokens))}}
+    return train, valid
+
+
+def train_and_save(lm, train: Sequences, valid: Optional[Sequences], output: Path, checkpoint_dir: Path,
+                   cfg: TrainConfig, max_new_tokens: int, started: float, data_stats: Dict,
+                   measure_k: bool = True, log: Callable[[str], None] = print,
+                   extra: Optional[Dict] = None) -> Dict[str, object]:
+    """K measurement -> training (resumable) -> eval -> save, with training.json (the data, the
+    training, the held-out figures, the cost model, and `extra`: e.g. the budget plan)."""
     report: Dict[str, object] = {"data": {
         "train_answers": len(train.offsets) - 1, "train_tokens": int(len(train.tokens)),
         "valid_answers": len(valid.offsets) - 1 if valid is not None else 0,
         "valid_tokens": int(len(valid.tokens)) if valid is not None else 0,
         "valid_prompt_ids": [_json_id(i) for i in valid.prompt_ids] if valid is not None else [],
         "max_new_tokens": max_new_tokens}}
+    report.update(extra or {})
     if measure_k and valid is not None and not cfg.init_from:  # (a head to go on from brings its K)
         report["draft_vocab"] = measure_draft_vocab(lm, train, valid)
         log("draft vocabulary: " + json.dumps(report["draft_vocab"]["by_k"]))
     result = train_head(lm, train, cfg, checkpoint_dir=checkpoint_dir, log=log)
     report["train"] = {"config": asdict(cfg), "steps": result.steps,
                        "wall_s_this_run": round(result.wall_s, 1),
+                       "steps_per_s": round(result.steps_per_s, 3),
                        "masked_target_fraction": round(result.masked_fraction, 4),
                        "final_loss_mean_last_50": round(float(np.mean(result.losses[-50:])), 4) if result.losses else None,
                        "params": result.head.num_params()}
@@ -270,7 +301,14 @@ def run_pipeline(lm, prompts: Sequence[Path], data_dir: Path, output: Path, chec
     log("validation: " + (json.dumps(report["valid"]) if valid is not None else "no held-out shards yet"))
     save_drafter(result.head, output)
     report["size_bytes"] = sum(p.stat().st_size for p in Path(output).iterdir() if p.is_file())
-    report["wall_s_total_this_run"] = round(time.perf_counter() - t0, 1)
+    report["wall_s_total_this_run"] = round(time.perf_counter() - started, 1)
+    hidden_size, embed_size, _ = llm_shapes(lm)
+    tokens = int(len(train.tokens)) + (int(len(valid.tokens)) if valid is not None else 0)
+    answers = len(train.offsets) - 1 + (len(valid.offsets) - 1 if valid is not None else 0)
+    report["cost"] = cost_report(data_stats, result, cfg, tokens, tokens / max(1, answers), hidden_size,
+                                 embed_size, len(result.head.draft_to_full), report["wall_s_total_this_run"])
+    for line in cost_lines(report["cost"]):
+        log(line)
     (Path(output) / "training.json").write_text(json.dumps(report, indent=1) + "\n")
     log(f"wrote {output} ({report['size_bytes'] / 1e6:.1f} MB)")
     return report
