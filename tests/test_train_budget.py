@@ -9,10 +9,10 @@ import sys
 import pytest
 
 from conftest import make_tiny_lm, save_tiny_model_dir
-from mlx_specdec.redrafter_head import budget
-from mlx_specdec.redrafter_head.budget import (DATA_SHARE, Mac, Progress, Target, block_order, decode_seconds,
-                                              estimate_mac, head_train_flops, pick_batch, plan_blocks,
-                                              plan_training, reserve_seconds)
+from mlx_specdec.redrafter_head import budget, cost_model
+from mlx_specdec.redrafter_head.budget import DATA_SHARE, block_order, plan_blocks, plan_training, reserve_seconds
+from mlx_specdec.redrafter_head.cost_model import Mac, Target, decode_seconds, estimate_mac, head_train_flops, pick_batch
+from mlx_specdec.redrafter_head.progress import Progress
 
 
 def test_auto_batch_picks_the_most_tokens_per_second_and_the_smaller_on_a_tie():
@@ -74,7 +74,7 @@ def test_cost_model_arithmetic():
     rate64 = 64 / 0.064  # 1000 tokens/s beats 1 / 0.0401 = 24.9
     assert est["data_batch"] == 64 and est["data_tokens_per_s"] == pytest.approx(rate64)
     assert est["data_minutes"] == pytest.approx(60_000 / rate64 / 60, abs=0.05)
-    step_s = 160 * 2 * 3 * 2 * 3 / (budget.TRAIN_EFFICIENCY * 10e12)
+    step_s = 160 * 2 * 3 * 2 * 3 / (cost_model.TRAIN_EFFICIENCY * 10e12)
     assert est["train_minutes"] == pytest.approx(1000 * step_s / 60, abs=0.05)
     assert est["hidden_state_gb"] == pytest.approx(60_000 * 4096 * 2 / 1e9, abs=0.01)
 
@@ -133,7 +133,7 @@ def test_a_budgeted_run_makes_a_head_that_loads_and_resumes_its_plan(tmp_path):
     assert "data batch auto" in result.stderr and "plan: distil" in result.stderr and "plan: train" in result.stderr
     report = json.loads((out / "training.json").read_text())
     plan = json.loads((data / "budget.json").read_text())
-    assert report["budget"]["blocks"] == plan["blocks"] >= 1 and plan["data_batch"] in budget.AUTO_BATCHES
+    assert report["budget"]["blocks"] == plan["blocks"] >= 1 and plan["data_batch"] in cost_model.AUTO_BATCHES
     assert report["train"]["steps"] >= 1 and report["cost"]["here"]["data_tokens"] > 0
     assert [e["mac"] for e in report["cost"]["estimate_7b_4bit"]] == ["M2 Pro", "M3 Max"]
     assert report["cost"]["here"]["total_minutes"] <= 1.5 + 0.5  # inside the budget, give or take loading

@@ -33,7 +33,7 @@ from .. import masks
 from ..cache.contiguous import ContiguousKVCache
 from ..errors import UserError
 from ..model.forward import forward
-from .budget import Progress
+from .progress import Progress
 
 VALID_FRACTION = 0.05
 

@@ -38,7 +38,8 @@ from .model import (DrafterConfig, DrafterHead, llm_output_rows, llm_shapes, loa
                    tokenizer_hash)
 from .teacher_forcing import Windows, evaluate_head, llm_embedding_table, loss_fn
 from .vocab import draft_vocabulary, measure_draft_vocab
-from .budget import Progress, cost_lines, cost_report
+from .cost_model import cost_lines, cost_report
+from .progress import Progress
 
 
 @dataclass
