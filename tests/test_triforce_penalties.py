@@ -5,13 +5,11 @@ sampling's penalized marginal (chi-square)."""
 
 from __future__ import annotations
 
-import mlx.core as mx
-import numpy as np
 import pytest
 
 from mlx_specdec.decoding import GenerationParams
 from test_penalties import PENALTIES, tokens_of
-from test_triforce import PROMPT, chi_square_below_critical, draft_engine
+from test_triforce import PROMPT, chi_square_below_critical, draft_engine, sampled_second_tokens
 
 
 @pytest.mark.parametrize("fields", PENALTIES)
@@ -32,25 +30,5 @@ def test_greedy_triforce_with_penalties_equals_ar_token_for_token(fields):
 def test_sampled_triforce_with_a_presence_penalty_draws_the_penalized_distribution():
     """T = 1, presence 1.5, the middle level over 16 of 140 prompt keys: the second token follows
     P(t2) = sum_t1 p(t1) p(t2 | t1) with t1's logit lowered by 1.5 after it was written."""
-    from test_acceptance import nucleus_reference
-
-    presence = 1.5
-    engine = draft_engine()
-    lm = engine.lm
-    lm.model.model.embed_tokens.weight = lm.model.model.embed_tokens.weight / 4  # a flatter p: more cells
-    seconds = []
-    for seed in range(700):
-        params = GenerationParams(max_tokens=2, temperature=1.0, seed=seed, presence_penalty=presence,
-                                  options=dict(bottom="ngram", budget=16, gamma=3, draft_length=2))
-        tokens = tokens_of(engine.generate_ids(PROMPT, "triforce", params))
-        if tokens:
-            seconds.append(tokens[1] if len(tokens) > 1 else 96)
-    model = lm.model
-    p_first = nucleus_reference(np.array(model(mx.array(PROMPT)[None])[0, -1]), 1.0, 1.0)
-    p_first[96] = 0.0
-    p_first /= p_first.sum()
-    second_logits = np.array(model(mx.array([PROMPT + [t] for t in range(97)]))[:, -1])
-    second_logits[np.arange(97), np.arange(97)] -= presence  # t1 was written: its presence
-    p_second = np.stack([nucleus_reference(row, 1.0, 1.0) for row in second_logits])
-    ok, (chi2, df) = chi_square_below_critical(seconds, (p_first[:, None] * p_second).sum(0))
+    ok, (chi2, df) = chi_square_below_critical(*sampled_second_tokens(draft_engine(), presence=1.5))
     assert ok and df >= 5, (chi2, df)
