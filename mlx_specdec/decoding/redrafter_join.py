@@ -105,7 +105,6 @@ class ContinuousRedrafter(RowBatch):
                                  resources=self.resources, prompts=[])
         self.loop = build_loop(self.ctx, cls=JoinableLoop)
         self.loop.begin_empty()
-        self._by_ident: Dict[int, int] = {}
 
     def _kv(self):
         return self.loop.cache, self.loop.valid
