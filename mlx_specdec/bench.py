@@ -55,6 +55,8 @@ SUMMARY_COLUMNS = [
     "needles_found", "bottom_acceptance", "middle_acceptance", "attention_recall", "retrieval_rebuilds",
     "compression", "acceptance_per_position", "draft_ms_per_step", "verify_ms_per_step",
     "accept_ms_per_step", "pack_ms_per_step", "sync_ms_per_step",
+    # what a step costs the host, device-independent (host_traffic.py): medians over the answers
+    "syncs_per_step", "host_arrays_per_step", "verify_shapes", "new_verify_shapes",
     # apar: the paper's Tables 1, 2 and 7, each next to the flattened answer decoded sequentially
     "forked_fraction", "threads_mean", "threads_when_forked", "decode_steps_mean", "flat_decode_steps_mean",
     "max_cached_tokens_mean", "flat_max_cached_tokens_mean", "attended_tokens_mean",
@@ -69,7 +71,8 @@ CATEGORY_COLUMNS = [
     "attended_tokens_mean", "flat_attended_tokens_mean", "answer_nll", "nll_vs_ar",
 ]
 #: method-specific figures copied from `GenerationStats.extra` into each row when present
-EXTRA_FIELDS = ["steps", "compression", "acceptance_per_position", "tree_tokens_before_dedup",
+EXTRA_FIELDS = ["steps", "syncs_per_step", "host_arrays_per_step", "verify_shapes", "new_verify_shapes",
+                "compression", "acceptance_per_position", "tree_tokens_before_dedup",
                 "tree_tokens_after_dedup", "draft_s", "verify_s", "accept_s", "pack_s", "sync_s",
                 # apar: the answer's tree, and the same answer flattened and decoded sequentially
                 "threads", "forked", "max_live_threads", "decode_steps", "max_cached_tokens",
@@ -289,6 +292,7 @@ def summarize(rows: List[dict], configs: List[MethodConfig], repeats: int) -> Li
             "identical_fraction": round(sum(r["identical_to_ar"] for r in mine) / len(mine), 3),
             **_needles(mine),
             **_speculation_summary(mine),
+            **_traffic_summary(mine),
             **_apar_summary(mine, rows),
             **{k: round(statistics.mean(r[k] for r in mine), 3) for k in TRIFORCE_FIELDS
                if all(k in r for r in mine)},  # triforce: means over prompts
@@ -348,6 +352,13 @@ def _apar_summary(mine: List[dict], rows: List[dict]) -> dict:
         if pairs and sum(a for _, a in pairs):  # both means over the same prompts
             out["nll_vs_ar"] = round(sum(m for m, _ in pairs) / sum(a for _, a in pairs), 3)
     return out
+
+
+def _traffic_summary(rows: List[dict]) -> dict:
+    """Blocking reads and host-built arrays per step, verify shapes per answer: medians."""
+    return {k: statistics.median(r[k] for r in rows if k in r)
+            for k in ("syncs_per_step", "host_arrays_per_step", "verify_shapes", "new_verify_shapes")
+            if any(k in r for r in rows)}
 
 
 def _speculation_summary(rows: List[dict]) -> dict:

@@ -17,12 +17,15 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from .host_traffic import to_device
+
 
 def causal_mask(num_queries: int, offset: int) -> mx.array:
-    """(L, offset + L): query i (at position offset + i) sees keys 0 .. offset + i."""
-    query_pos = np.arange(offset, offset + num_queries)[:, None]
-    key_pos = np.arange(offset + num_queries)[None, :]
-    return mx.array(key_pos <= query_pos)
+    """(L, offset + L): query i (at position offset + i) sees keys 0 .. offset + i. Built on the
+    device (no host data)."""
+    query_pos = mx.arange(offset, offset + num_queries)[:, None]
+    key_pos = mx.arange(offset + num_queries)[None, :]
+    return key_pos <= query_pos
 
 
 def padded_causal_mask(valid: np.ndarray, start: int, end: int) -> mx.array:
@@ -114,7 +117,7 @@ def ragged_tree_mask(valid: np.ndarray, trees: Sequence[Sequence[int]], width: i
         mask[b, 0, :n, P : P + n] = tree_mask_np(parents)
         pads = np.arange(n, width)
         mask[b, 0, pads, P + pads] = True
-    return mx.array(mask)
+    return to_device(mask)
 
 
 def tree_tail_mask(trees: Sequence[Sequence[int]], width: int) -> mx.array:
@@ -129,7 +132,7 @@ def tree_tail_mask(trees: Sequence[Sequence[int]], width: int) -> mx.array:
         mask[b, 0, :n, :n] = tree_mask_np(parents)
         pads = np.arange(n, width)
         mask[b, 0, pads, pads] = True
-    return mx.array(mask)
+    return to_device(mask)
 
 
 def ragged_tree_positions(lengths: Sequence[int], trees: Sequence[Sequence[int]], width: int) -> mx.array:
@@ -137,4 +140,21 @@ def ragged_tree_positions(lengths: Sequence[int], trees: Sequence[Sequence[int]]
     positions = np.zeros((len(trees), width), dtype=np.int32)
     for b, parents in enumerate(trees):
         positions[b, : len(parents)] = tree_depths_np(parents) + lengths[b]
-    return mx.array(positions)
+    return to_device(positions)
+
+
+def tree_on_device(parents: mx.array):
+    """parents (B, N) int32 on the device, -1 for a root -> (ancestor-or-self mask (B, 1, N, N)
+    bool, depths (B, N) int32): `tree_mask_np` and `tree_depths_np` of every row, computed on the
+    device. Padding is a root no token descends from: it sees itself (and, as a tail mask, the
+    prefix), and no real token sees it. The closure doubles the path length it covers per
+    product: log2(N) small matmuls."""
+    N = parents.shape[-1]
+    reach = (parents[..., None] == mx.arange(N)) | mx.eye(N, dtype=mx.bool_)  # (B, N, N): self or parent
+    covered = 1
+    while covered < N - 1:
+        as_float = reach.astype(mx.float32)
+        reach = (as_float @ as_float) > 0  # paths of up to twice the length
+        covered *= 2
+    depths = reach.astype(mx.int32).sum(axis=-1) - 1  # ancestors, self excluded
+    return reach[:, None], depths

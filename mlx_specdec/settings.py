@@ -201,6 +201,9 @@ REDRAFTER = (
             "sampling: the head samples W chains, accepted by rejection sampling; off = its likeliest tree, "
             "each node accepting where it equals the target's own sample"),
     _on_off("profile", False, "sync after each phase to report draft/verify/accept time (slower)"),
+    Setting("step", "choice", R.DEFAULT_STEP, "how a step meets the device: device = one read, one upload, "
+            "bucketed shapes (a GPU's); host = drafts read depth by depth, only as deep as verified (a CPU's); "
+            "auto = by where MLX computes", choices=("auto", "device", "host"), expert=True),
     Setting("sources", "list", R.DEFAULT_SOURCES, "the drafting sources asked for each row's drafts, in order: "
             "the first that offers a chain drafts the row, the head (last) the rest", expert=True,
             check=lambda text: ",".join(source_names(text)),

@@ -16,6 +16,8 @@ from typing import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..host_traffic import to_device
+
 GROW_STEP = 256  # grow buffers in steps, as mlx-lm does, so appends rarely reallocate
 
 
@@ -156,7 +158,7 @@ class ContiguousKVCache(LayeredCache):
             self._keep_first(start, width)
             return self.offset
         padded = [[int(i) for i in k] + [int(k[-1])] * (width - len(k)) for k in kept_rows]  # holes repeat a kept token
-        kept = mx.array(padded, dtype=mx.int32)  # (B, width)
+        kept = to_device(padded, dtype=mx.int32)  # (B, width)
         for layer in self.layers:
             layer.keep_appended_rows(start, kept, width)
         return self.offset

@@ -11,6 +11,7 @@ from typing import Iterator
 
 import mlx.core as mx
 
+from ..host_traffic import Tally, read_scalar
 from ..model.forward import forward
 from ..penalties import History, Penalties
 from .base import DecodeContext, Step, keep_prefix, prefilled_cache
@@ -38,13 +39,16 @@ def autoregressive(ctx: DecodeContext) -> Iterator[Step]:
 
     eos = ctx.lm.eos_token_ids
     token = next_token(mx.array(ctx.prompt[-1:]))
+    traffic = Tally()  # per step: one read, no host-built array, one shape
     mx.async_eval(token)
     try:
         while True:
             following = next_token(token)
             mx.async_eval(following)
-            value = token.item()  # host sync (one per token), overlapped with `following`
+            value = read_scalar(token)  # host sync (one per token), overlapped with `following`
             ctx.stats.forward_passes += 1  # the forward that produced `value`
+            traffic.verify((1, 1))
+            ctx.stats.extra.update(traffic.figures())
             yield Step([value])
             if value in eos:
                 return

@@ -49,6 +49,8 @@ from ..drafting.base import NoHead
 from ..drafting.sources import SOURCES, SourceSettings, source_names
 from ..errors import UserError
 from .base import DecodeContext, Step
+from ..model.device import on_cpu
+from .redrafter_device import DeviceLoop
 from .redrafter_step import RedrafterLoop, Settings
 
 # What each default does; what was measured and chosen is in docs/decisions.md.
@@ -67,6 +69,7 @@ DEFAULT_DEEPEN_REACH = 0.25  # draft a chain deeper only while it is at least th
 DEFAULT_PROMPT_DRAFT = False  # draft from the prompt: the first forward verifies drafts too
 DEFAULT_VERIFY_COST = True  # verify the depth worth its cost at this context ("margin": the answer's rate)
 DEFAULT_SAMPLED_DRAFTS = False  # sampling: the head samples its chains (rejection sampling), not its likeliest tree
+DEFAULT_STEP = "auto"  # the device step (redrafter_device.py) on a GPU, the host-read step on a CPU
 
 
 NO_HEAD = "none"  # the fallback's name in the stats where the model has no draft head
@@ -82,9 +85,12 @@ def redrafter(ctx: DecodeContext) -> Iterator[Step]:
         loop.close()
 
 
-def build_loop(ctx: DecodeContext, cls=RedrafterLoop) -> RedrafterLoop:
-    """The loop for ctx's settings, its drafting sources built (`cls`: the loop's class)."""
+def build_loop(ctx: DecodeContext, cls=None) -> RedrafterLoop:
+    """The loop for ctx's settings, its drafting sources built (`cls`: the loop's class; None:
+    the device step where the settings ask for it and it applies, else the host-read one)."""
     s, names, lookup = settings(ctx)
+    if cls is None:
+        cls = DeviceLoop if device_step(ctx, s, names) else RedrafterLoop
     head, draft_model = ctx.resources.get("drafter"), ctx.resources.get("draft_model")
     if names[-1] == "head" and head is None and draft_model is not None:
         names[-1] = "model"  # no head for this model: the draft model drafts in its place
@@ -108,6 +114,14 @@ def build_loop(ctx: DecodeContext, cls=RedrafterLoop) -> RedrafterLoop:
         if not sources[name].host_side:
             raise UserError(f"redrafter: {name!r} drafts on the device; only the head, last, may")
     return cls(ctx, s, sources, vocab)
+
+
+def device_step(ctx: DecodeContext, s: Settings, names) -> bool:
+    """Whether a batch runs the device step: asked for (auto: on a GPU), and drafted by what it
+    reads in one graph (not sampled chains, not a draft model that drafts after the text)."""
+    asked = ctx.params.options.get("step", DEFAULT_STEP)
+    wanted = asked == "device" or (asked == "auto" and not on_cpu())
+    return wanted and not s.sampled_drafts and names[-1] != "model"
 
 
 def settings(ctx: DecodeContext):

@@ -22,10 +22,12 @@ from ..drafting.first_offer import FirstOffer
 from ..drafting.runners_up import StepRunnersUp
 from ..drafting.tree import pack_beams
 from ..drafting.verify_cost import RateMeter, kept_length, worth_verifying
+from ..host_traffic import Tally, to_device
 from ..model.forward import forward
 from .base import (DecodeContext, Step, drop_finished_rows, keep_prefix, new_contiguous_cache, prefill_rows,
                    prefilled_cache)
 from .redrafter_types import PHASES, Plan, Read, Settings, Tree
+
 
 class RedrafterLoop:
     def __init__(self, ctx: DecodeContext, s: Settings, sources: Dict[str, Proposer], vocab: int):
@@ -43,6 +45,7 @@ class RedrafterLoop:
         self.timings, self._t0 = dict.fromkeys(PHASES, 0.0), 0.0  # --profile: seconds per phase
         self.resumed = None  # one row resumed from the prefix store: its prompt but the last token
         self.per_position = np.zeros(s.length - 1, dtype=np.int64)  # row-steps that accepted >= k+1 drafts
+        self.traffic = Tally()  # this answer's host reads, host-built arrays and verify shapes
         self.tally = dict.fromkeys(("steps", "before", "after", "lookup_steps", "lookup_accepted", "runners_up",
                                     "runners_up_accepted", "runners_up_deeper_accepted"), 0)
 
@@ -90,14 +93,19 @@ class RedrafterLoop:
         if self.first_offer is not None:
             self.first_offer.begin(texts if from_prompt else prompts)
         if self.rows:  # the first drafts, from the hidden state that produced the own tokens
-            self.drafts = self.head.propose(token, hidden)
-            if self.first_offer is None:  # host sync: the first drafts
-                self.beams, self.owner, self.confidence = _read(self.drafts.beams, self.drafts.owner,
-                                                                self.drafts.confidence)
-            else:
-                self.drafts, self.beams, self.owner, self.confidence, self.source, _ = self.first_offer.draft(
-                    self.drafts, own)
-            self.deepen()
+            self.first_drafts(token, hidden, own)
+        self.traffic = Tally()  # the steps' own counts, from here
+
+    def first_drafts(self, token: mx.array, hidden: mx.array, own: np.ndarray) -> None:
+        """The first step's drafts after the own tokens (B,), which `own` holds on the host."""
+        self.drafts = self.head.propose(token, hidden)
+        if self.first_offer is None:  # host sync: the first drafts
+            self.beams, self.owner, self.confidence = _read(self.drafts.beams, self.drafts.owner,
+                                                            self.drafts.confidence)
+        else:
+            self.drafts, self.beams, self.owner, self.confidence, self.source, _ = self.first_offer.draft(
+                self.drafts, own)
+        self.deepen()
 
     def learners(self, rows: int) -> None:
         """Each source's trust per row (the head's last), the runners-up's planner, each row's source."""
@@ -167,20 +175,8 @@ class RedrafterLoop:
     def pack(self, plan: Plan) -> Tree:
         """The drafts cut to the step length, each row's distinct prefixes packed once (with the
         runners-up beside its chain), and the positions and mask one forward verifies them with."""
-        step_length, B = plan.step_length, len(self.rows)
-        beams, owner = self.beams[:, :, :step_length], self.owner[:, :, :step_length]
-        drafts = self.drafts if self.drafts.draft_probs is None else \
-            self.drafts._replace(draft_probs=self.drafts.draft_probs[:, :, : step_length - 1])
-        trees = [pack_beams(beams[b], owner[b]) for b in range(B)]
-        self.tally["before"] += beams.size
-        self.tally["after"] += sum(len(t.tokens) for t in trees)
-        extra = np.zeros(B, dtype=np.int64)  # runners-up verified per row
-        runner_depth = np.zeros(0, dtype=np.int64)  # of beam 1.. (the runners-up)
-        if plan.with_runners and step_length > 1:
-            beams, trees, extra, runner_depth = self.runners.add(beams, trees, plan.judged, step_length,
-                                                                 self.source == self.fallback,
-                                                                 int(self.lengths.max()), plan.runners)
-        n = max(len(t.tokens) for t in trees)
+        beams, trees, extra, runner_depth, drafts = self.packed_trees(plan)
+        B, n = len(trees), max(len(t.tokens) for t in trees)
         tokens = np.zeros((B, n), dtype=np.int32)
         for b, tree in enumerate(trees):
             tokens[b, : len(tree.tokens)] = tree.tokens
@@ -195,14 +191,33 @@ class RedrafterLoop:
                 mask = masks.tree_tail_mask(parents, n)  # (B, 1, N, N)
             else:
                 mask = masks.ragged_tree_mask(self.valid, parents, n)  # (B, 1, N, P + N)
-        index = mx.array(np.stack([t.index for t in trees]).reshape(B, -1))  # (B, W*L)
-        return Tree(beams, trees, mx.array(tokens), positions, mask, index, drafts, extra, runner_depth)
+        index = to_device(np.stack([t.index for t in trees]).reshape(B, -1))  # (B, W*L)
+        self.traffic.verify((B, n))
+        return Tree(beams, trees, to_device(tokens), positions, mask, index, drafts, extra, runner_depth)
+
+    def packed_trees(self, plan: Plan):
+        """The host half of `pack`: -> the beams verified (B, W', L'), each row's `PackedTree`,
+        runners-up verified per row (B,), the depth of each runner-up beam (R,), the drafts."""
+        step_length, B = plan.step_length, len(self.rows)
+        beams, owner = self.beams[:, :, :step_length], self.owner[:, :, :step_length]
+        drafts = self.drafts if self.drafts.draft_probs is None else \
+            self.drafts._replace(draft_probs=self.drafts.draft_probs[:, :, : step_length - 1])
+        trees = [pack_beams(beams[b], owner[b]) for b in range(B)]
+        self.tally["before"] += beams.size
+        self.tally["after"] += sum(len(t.tokens) for t in trees)
+        extra = np.zeros(B, dtype=np.int64)  # runners-up verified per row
+        runner_depth = np.zeros(0, dtype=np.int64)  # of beam 1.. (the runners-up)
+        if plan.with_runners and step_length > 1:
+            beams, trees, extra, runner_depth = self.runners.add(beams, trees, plan.judged, step_length,
+                                                                 self.source == self.fallback,
+                                                                 int(self.lengths.max()), plan.runners)
+        return beams, trees, extra, runner_depth, drafts
 
     def accept(self, tree: Tree, step_length: int, out):
         """The longest run of each row's drafts the target agrees with (the target's own token at
         each node: its argmax, or its sample), or rejection sampling over sampled chains; and the
         hidden state after the last accepted token (the head drafts from it)."""
-        beams = mx.array(tree.beams)
+        beams = to_device(tree.beams)
         B, W, L = beams.shape
         index, logits = tree.index, self.penalties.nodes(out.logits, tree.beams, tree.packed)  # (B, N, V)
         if not self.s.sampled_drafts:
@@ -269,13 +284,7 @@ class RedrafterLoop:
         for i, trust in enumerate(self.trusts[:-1]):
             trust.update(self.beams, self.confidence, chain_best, chain_accepted, token, verified=step_length - 1,
                          rows=self.source == i)
-        kept = [tree.packed[b].index[best[b], : accepted[b] + 1] for b in range(len(self.rows))]
-        physical = self.committed
-        self.committed = self.cache.keep_appended_rows(physical, kept)
-        new_valid = np.zeros((len(self.rows), self.committed - physical), dtype=bool)
-        for b in range(len(self.rows)):
-            new_valid[b, : accepted[b] + 1] = True
-        self.valid = np.concatenate([self.valid, new_valid], axis=1)
+        self.keep_accepted(tree, best, accepted)
         self.lengths = self.lengths + accepted + 1
         if self.meter is not None:
             self.meter.add(float(accepted.mean()) + 1, int(tree.tokens.shape[1]), int(self.lengths.max()))
@@ -298,6 +307,17 @@ class RedrafterLoop:
             read.drafts, read.beams, read.owner, read.confidence, read.source)
         return new_tokens
 
+    def keep_accepted(self, tree: Tree, best: np.ndarray, accepted: np.ndarray) -> None:
+        """The cache keeps each row's accepted path, packed from the committed offset (holes where
+        a row kept fewer than the longest, marked in `valid`)."""
+        kept = [tree.packed[b].index[best[b], : accepted[b] + 1] for b in range(len(self.rows))]
+        physical = self.committed
+        self.committed = self.cache.keep_appended_rows(physical, kept)
+        new_valid = np.zeros((len(self.rows), self.committed - physical), dtype=bool)
+        for b in range(len(self.rows)):
+            new_valid[b, : accepted[b] + 1] = True
+        self.valid = np.concatenate([self.valid, new_valid], axis=1)
+
     def deepen(self) -> None:
         """Stepwise chains: the head's rows drafted as deep as the next step can verify, the
         deepest `kept_length` of any row with the rows' current trust (a row is verified as deep
@@ -319,7 +339,7 @@ class RedrafterLoop:
             return
         self.owner = np.zeros_like(deeper)  # one chain per row: every prefix its own (dedup_prefix's answer)
         self.beams, self.confidence = deeper, confidence
-        self.drafts = Proposal(mx.array(deeper), mx.array(self.owner), None, mx.array(confidence))
+        self.drafts = Proposal(to_device(deeper), to_device(self.owner), None, to_device(confidence))
 
     def close(self) -> None:
         """Stopped mid-step: drop the unverified tree."""
@@ -373,6 +393,7 @@ class RedrafterLoop:
             runners_up_accepted=tally["runners_up_accepted"],
             runners_up_deeper_accepted=tally["runners_up_deeper_accepted"],
             source_steps=dict(zip(self.names, self.source_steps.tolist())),
+            **self.traffic.figures(),
         )
         if self.s.profile:
             self.stats.extra.update({k: round(v, 4) for k, v in self.timings.items()})

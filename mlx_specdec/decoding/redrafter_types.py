@@ -54,6 +54,7 @@ class Tree(NamedTuple):
     drafts: Proposal  # the step's drafts (their q cut to the step length, when sampling)
     extra: np.ndarray  # (B,) runners-up verified per row
     runner_depth: np.ndarray  # (R,) the depth of each runner-up beam
+    device_beams: Optional[mx.array] = None  # (B, Wb, Lb) the beams padded to a bucket (the device step)
 
 
 class Read(NamedTuple):  # the step's host sync: its acceptance, and the next step's drafts

@@ -43,6 +43,8 @@ from typing import List, NamedTuple, Optional, Protocol, Sequence
 import mlx.core as mx
 import numpy as np
 
+from ..host_traffic import read_host  # noqa: F401  (the drafting layer's sync, re-exported)
+
 
 class Proposal(NamedTuple):
     beams: mx.array  # (B, W, L) int32; [:, :, 0] is the target's own latest token
@@ -193,7 +195,3 @@ def one_hot_probs(beams: mx.array, vocab: int) -> mx.array:
     return (mx.arange(vocab)[None, None, None, :] == drafted[..., None]).astype(mx.float32)
 
 
-def read_host(*arrays) -> list:
-    """Evaluate together and bring to the host (a decoding loop's deliberate sync): numpy arrays."""
-    mx.eval(*arrays)
-    return [np.array(a) for a in arrays]

@@ -19,6 +19,7 @@ from typing import List, NamedTuple, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from ..host_traffic import to_device
 from .base import Chain, Proposal, Proposer, one_hot_probs, read_host
 from .tree import dedup_prefix
 
@@ -85,9 +86,11 @@ class FirstOffer:
         self.proposed = np.array([0 if c is None else len(c.tokens) for c in chains], dtype=np.int64)
         return chains
 
-    def draft(self, fallback: Proposal, own: np.ndarray) -> Drafted:
+    def draft(self, fallback: Proposal, own: np.ndarray, fallback_read: Optional[tuple] = None,
+              upload: bool = True) -> Drafted:
         """fallback: the device-side source's lazy proposal from the own tokens (B,), which `own`
-        holds on the host."""
+        holds on the host; fallback_read: its beams and confidence already read (no sync here).
+        upload: the Proposal as MLX arrays (else None: the caller packs from the host arrays)."""
         chains = self.offers(own)
         from_host = self.source != self.fallback
         W = fallback.beams.shape[1]
@@ -96,7 +99,7 @@ class FirstOffer:
             length = 1 + max(len(c.tokens) for c in chains)
         else:
             # Host sync, only when a row needs the fallback: its drafts (beams, confidence).
-            head_beams, head_confidence = read_host(fallback.beams, fallback.confidence)
+            head_beams, head_confidence = fallback_read or read_host(fallback.beams, fallback.confidence)
             length = max([head_beams.shape[-1]] + [1 + len(c.tokens) for c in chains if c is not None])
         B = len(own)
         beams = np.empty((B, W, length), dtype=np.int32)
@@ -112,8 +115,10 @@ class FirstOffer:
                 beams[b, :, :] = [int(own[b])] + follow + [follow[-1]] * (length - 1 - len(follow))
                 confidence[b, :, : len(follow)] = chain.confidence
         owner = dedup_prefix(beams, np)
+        if not upload:
+            return Drafted(None, beams, owner, confidence, self.source.copy(), from_host)
         probs = None if fallback.draft_probs is None else self._draft_probs(fallback, beams, from_host)
-        proposal = Proposal(mx.array(beams), mx.array(owner), probs, mx.array(confidence))
+        proposal = Proposal(to_device(beams), to_device(owner), probs, to_device(confidence))
         return Drafted(proposal, beams, owner, confidence, self.source.copy(), from_host)
 
     def _draft_probs(self, fallback: Proposal, beams: np.ndarray, from_host: np.ndarray) -> mx.array:

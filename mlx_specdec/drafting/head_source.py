@@ -62,9 +62,13 @@ class HeadProposer(ProposerDefaults):
         self._runners = None  # stepwise with runners_up: (tokens (B, S), confidences (B, S)), lazy
         self._first = None  # stepwise: the first draft and its confidence (B,) each, lazy
         self._deeper_runners = []  # the same at depths 2.. as `extend` read them, on the host
+        self.whole_chain = False  # stepwise chains drafted every depth at once (the device step)
+        self._runners_read = self._first_read = None  # ... and read with the step
 
     def propose(self, token: mx.array, hidden: Optional[mx.array]) -> Proposal:
         """token (B,): the target's own latest token; hidden (B, D): the state that produced it."""
+        if self.stepwise and self.whole_chain:
+            return self._whole_chain(token, hidden)
         if self.stepwise:  # the first draft only: `extend` goes deeper
             state, draft, score, confidence, *runners = self._chain[0](hidden, token)
             self._pending = (state, hidden, draft, score)
@@ -79,6 +83,42 @@ class HeadProposer(ProposerDefaults):
         drafts = sample_beams(self.head, self.embed, hidden, token, self.width, self.length, self.temperature)
         return Proposal(drafts.beams, dedup_prefix(drafts.beams), self._full_vocab(drafts.draft_probs),
                         drafts.confidence)
+
+    def _whole_chain(self, token: mx.array, hidden: mx.array) -> Proposal:
+        """Every depth of the chain in one lazy graph (the device step reads it with the step's
+        acceptance): the same drafts and confidences as `extend` makes depth by depth, and the
+        runners-up at the first `runner_depths` depths, for `runners_up_on_host` once read."""
+        state, draft, score, confidence, *runners = self._chain[0](hidden, token)
+        self._first = (draft, confidence)
+        drafts, confidences, runner_tokens, runner_confidences = [draft], [confidence], [], []
+        if runners:
+            runner_tokens.append(runners[0].astype(mx.int32))
+            runner_confidences.append(runners[1])
+        for depth in range(2, self.length):
+            with_runners = depth <= self.runner_depths
+            state, draft, score, step_conf, *runners = (self._chain[1] if with_runners else self._chain[2])(
+                state, hidden, draft, score)
+            drafts.append(draft)
+            confidences.append(step_conf)
+            if runners and with_runners:
+                runner_tokens.append(runners[0].astype(mx.int32))
+                runner_confidences.append(runners[1])
+        self._runners = [mx.stack(runner_tokens, axis=1), mx.stack(runner_confidences, axis=1)] \
+            if runner_tokens else None  # (B, D, S) each
+        self._runners_read = None
+        beams = mx.stack([token.astype(mx.int32)] + [d.astype(mx.int32) for d in drafts], axis=-1)[:, None, :]
+        return Proposal(beams, mx.zeros(beams.shape, dtype=mx.int32), None,
+                        mx.stack(confidences, axis=-1)[:, None, :])  # (B, 1, L), (B, 1, L-1)
+
+    def lazy_outputs(self) -> list:
+        """The whole chain's runners-up and first draft (lazy): for the step's one read."""
+        return [*(self._runners or []), *self._first]
+
+    def took(self, values: list) -> None:
+        """The values of `lazy_outputs`, read with the step: later reads of them are free."""
+        split = 2 if self._runners is not None else 0
+        self._runners_read = values[:split] or None
+        self._first_read = values[split:]
 
     def extend(self, beams: np.ndarray, confidence: np.ndarray, rows: np.ndarray,
                wanted: Callable[[np.ndarray], bool]):
@@ -122,6 +162,9 @@ class HeadProposer(ProposerDefaults):
         drafted): tokens (B, D, S) int32, confidences (B, D, S). Depth 1's come from the same
         compiled call as the first draft, so reading them costs a sync only; deeper ones were read
         with their depth's draft."""
+        if self.whole_chain:  # every depth's, read with the step
+            tokens, confidence = self._runners_read
+            return tokens.astype(np.int32), confidence
         tokens, confidence = read_host(*self._runners)
         deeper = self._deeper_runners
         return (np.stack([tokens.astype(np.int32)] + [t for t, _ in deeper], axis=1),
@@ -130,7 +173,7 @@ class HeadProposer(ProposerDefaults):
     def first_on_host(self):
         """The last `propose`'s first draft and its confidence, (B,) int32 and (B,): a sync, which
         computes them if the caller has not read the drafts (every row a lookup's)."""
-        token, confidence = read_host(*self._first)
+        token, confidence = self._first_read if self.whole_chain else read_host(*self._first)
         return token.astype(np.int32), confidence
 
     def select_rows(self, keep: np.ndarray) -> None:
@@ -141,6 +184,10 @@ class HeadProposer(ProposerDefaults):
         if self._runners is not None:
             self._runners = [r[index] for r in self._runners]
             self._deeper_runners = [(t[keep], c[keep]) for t, c in self._deeper_runners]
+        if self._runners_read is not None:
+            self._runners_read = [r[keep] for r in self._runners_read]
+        if self._first_read is not None:
+            self._first_read = [r[keep] for r in self._first_read]
 
     def add_rows(self, prompts) -> None:
         """Rows joining a running batch before the next step: no runners-up (confidence 0)."""

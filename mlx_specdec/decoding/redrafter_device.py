@@ -1,0 +1,228 @@
+"""ReDrafter's step shaped for a GPU: one read, one host-built array, a few shapes.
+
+On a GPU a small model's step is bound by what makes the device wait for the host: each blocking
+read, each array built from host data, each input shape not seen before (a compile). The loop of
+redrafter_step.py reads the acceptance, the head's first draft, its runners-up and each deeper
+depth in syncs of their own, and uploads masks, positions and indices built on the host; that
+suits a CPU, where every skipped head projection is saved arithmetic. Here a step is:
+
+    plan, pack   on the host, from what the previous step read (the planner's rules unchanged)
+    upload       ONE int32 array per step: per row its length, the packed tokens, their parents,
+                 each beam token's packed index and the beams; sliced on the device
+    verify       mask and positions built on the device from the parents (`masks.tree_on_device`);
+                 the tree padded to a bucket of widths (VERIFY_WIDTHS), the beams to a power of two
+    accept       on the device; the target's own token at every node (argmax, or a draw whose
+                 nucleus fallback is chosen on the device from the logits alone: exact)
+    draft        the head's whole chain and its runners-up after the accepted token, in the same graph
+    read         `mx.async_eval`, then the previous step's tokens are yielded (the consumer's work
+                 overlaps the device's), then the step's one blocking read
+    commit       the cache keeps the accepted path (gathered on the device where it moved)
+
+Tokens reach the caller one step late, as in `mlx_lm.generate_step`; a step the caller stops
+during is rolled back (`close`). The counts are in every answer's stats (`syncs_per_step`,
+`host_arrays_per_step`, `verify_shapes`) and tests/test_device_step.py holds them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator, List
+
+import mlx.core as mx
+import numpy as np
+
+from .. import masks
+from ..acceptance import greedy_accept_targets, sampling_logits, top_nucleus
+from ..host_traffic import read_host, to_device
+from .base import Step, drop_finished_rows
+from .redrafter_step import RedrafterLoop
+from .redrafter_types import Plan, Read, Tree
+
+VERIFY_WIDTHS = (1, 4, 8, 16, 32, 64)  # a verify's query tokens are padded to one of these
+
+
+def verify_width(tokens: int) -> int:
+    for width in VERIFY_WIDTHS:
+        if tokens <= width:
+            return width
+    return -(-tokens // VERIFY_WIDTHS[-1]) * VERIFY_WIDTHS[-1]
+
+
+def beam_width(beams: int) -> int:
+    return 1 << max(0, beams - 1).bit_length()
+
+
+class DeviceLoop(RedrafterLoop):
+    """`RedrafterLoop` with the step of this module's docstring (redrafter.py chooses it)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.head.whole_chain = bool(getattr(self.head, "stepwise", False))
+        self.pending: List[Step] = []  # the last step's tokens, yielded while the next one computes
+        self.valid_dev = None  # (B, P) `valid` on the device, only while some row has holes
+
+    def start(self) -> Iterator[Step]:
+        yield from super().start()
+        if not self.valid.all():  # a batch of prompts of different lengths: padding is a hole
+            self.valid_dev = to_device(self.valid)
+
+    # -- drafts read with the step ---------------------------------------------------------------
+
+    def first_drafts(self, token: mx.array, hidden: mx.array, own: np.ndarray) -> None:
+        drafts = self.head.propose(token, hidden)
+        self.adopt(drafts, own, read_host(*self.draft_outputs(drafts)))
+
+    def draft_outputs(self, drafts) -> list:
+        """What the step reads of the next drafts: the beams and confidences, the head's runners-up
+        and first draft."""
+        extra = self.head.lazy_outputs() if self.head.whole_chain else []
+        return [drafts.beams, drafts.owner, drafts.confidence, *extra]
+
+    def adopt(self, drafts, own: np.ndarray, values: list) -> None:
+        """The next step's drafts from the read `values` (`draft_outputs`) and the own tokens."""
+        beams, owner, confidence, *extra = values
+        if self.head.whole_chain:
+            self.head.took(extra)
+        if self.first_offer is None:
+            self.beams, self.owner, self.confidence = beams.astype(np.int32), owner, confidence
+            self.source = np.full(len(own), self.fallback)
+        else:
+            done = self.first_offer.draft(drafts, own, fallback_read=(beams, confidence), upload=False)
+            _, self.beams, self.owner, self.confidence, self.source, _ = done
+        self.drafts = drafts
+
+    def deepen(self) -> None:
+        """Every depth was drafted in the step's graph."""
+
+    # -- the step --------------------------------------------------------------------------------
+
+    def step(self) -> Iterator[Step]:
+        self.select_rows()
+        self._t0 = time.perf_counter()
+        plan = self.plan()
+        tree = self.pack(plan)
+        self.mark("pack_s")
+        out = self.verify(tree)
+        self.mark("verify_s", out.logits)
+        length = tree.device_beams.shape[-1]
+        result, hidden = self.accept(tree, length, out)
+        self.mark("accept_s", result, hidden)
+        drafts = self.head.propose(result.next_token, hidden)
+        wanted = [result.beam, result.num_accepted, result.next_token, *self.draft_outputs(drafts)]
+        mx.async_eval(*wanted)
+        yield from self.flush()  # the consumer's work on the last step's tokens overlaps this one
+        best, accepted, token, *values = read_host(*wanted)  # the step's one blocking read
+        self.mark("sync_s")
+        self._best_dev, self._accepted_dev = result.beam, result.num_accepted
+        if self.first_offer is not None:
+            kept = [tree.beams[b, best[b], : accepted[b] + 1] for b in range(len(self.rows))]
+            self.first_offer.commit(kept, verified=plan.step_length - 1)
+        read = Read(best, accepted, token, None, None, None, None, None)
+        new_tokens = self.commit(tree, plan.step_length, read)  # the trust learns from this step's drafts
+        self.adopt(drafts, token, values)
+        self.pending = [Step(new_tokens[b], thread_id=thread, drafted=plan.step_length - 1 + int(tree.extra[b]),
+                             accepted=int(accepted[b])) for b, thread in enumerate(self.rows)]
+        self.rows, self.keep = drop_finished_rows(self.rows, new_tokens, self.emitted, self.ctx.lm.eos_token_ids,
+                                                  self.params.max_tokens, self.ctx.stopped_rows)
+        if not self.rows:
+            yield from self.flush()
+
+    def flush(self) -> Iterator[Step]:
+        pending, self.pending = self.pending, []
+        for step in pending:
+            if step.thread_id not in self.ctx.stopped_rows:
+                yield step
+
+    def pack(self, plan: Plan) -> Tree:
+        """The host's trees as one upload: per row [length | tokens | parents | index | beams],
+        the tokens padded to a verify width, the beams to a power of two and the full length."""
+        beams, trees, extra, runner_depth, drafts = self.packed_trees(plan)
+        B, W, L = beams.shape
+        n = verify_width(max(len(t.tokens) for t in trees))
+        Wb, Lb = beam_width(W), max(L, self.s.length)
+        packed = np.zeros((B, 1 + 2 * n + 2 * Wb * Lb), dtype=np.int32)
+        packed[:, 0] = self.lengths
+        packed[:, 1 + n: 1 + 2 * n] = -1  # parents: padding is a root
+        index = np.zeros((B, Wb, Lb), dtype=np.int32)  # padding points at the root ...
+        padded = np.full((B, Wb, Lb), -1, dtype=np.int32)  # ... and its drafts match no token
+        padded[:, :, 0] = beams[:, :1, 0]
+        for b, t in enumerate(trees):
+            packed[b, 1: 1 + len(t.tokens)] = t.tokens
+            packed[b, 1 + n: 1 + n + len(t.tokens)] = t.parents
+            index[b, :W, :L] = t.index
+            padded[b, :W, :L] = beams[b]
+        packed[:, 1 + 2 * n: 1 + 2 * n + Wb * Lb] = index.reshape(B, -1)
+        packed[:, 1 + 2 * n + Wb * Lb:] = padded.reshape(B, -1)
+        self.traffic.verify((B, n))
+        device = to_device(packed)  # the step's one host-built array
+        lengths, tokens, parents = device[:, 0], device[:, 1: 1 + n], device[:, 1 + n: 1 + 2 * n]
+        index_dev = device[:, 1 + 2 * n: 1 + 2 * n + Wb * Lb]  # (B, Wb*Lb)
+        beams_dev = device[:, 1 + 2 * n + Wb * Lb:].reshape(B, Wb, Lb)
+        tree_mask, depths = masks.tree_on_device(parents)  # (B, 1, n, n), (B, n)
+        positions = lengths[:, None] + depths  # (B, n)
+        return Tree(beams, trees, tokens, positions, tree_mask, index_dev, drafts, extra, runner_depth, beams_dev)
+
+    def verify(self, tree: Tree):
+        from ..model.forward import forward
+
+        mask = tree.mask
+        if self.valid_dev is not None:  # holes: each query sees its row's valid slots, then its tree
+            B, _, n, _ = mask.shape
+            history = mx.broadcast_to(self.valid_dev[:, None, None, :], (B, 1, n, self.valid_dev.shape[1]))
+            mask = mx.concatenate([history, mask], axis=-1)
+        return forward(self.model, tree.tokens, self.cache, positions=tree.positions, mask=mask)
+
+    def accept(self, tree: Tree, length: int, out):
+        beams = tree.device_beams  # (B, Wb, Lb)
+        B, W, L = beams.shape
+        logits = self.penalties.nodes(out.logits, tree.beams, tree.packed)  # (B, n, V)
+        targets = mx.take_along_axis(self.own_token(logits), tree.index, axis=1)  # (B, Wb*Lb)
+        result = greedy_accept_targets(beams, targets.reshape(B, W, L))
+        flat = result.beam * L + result.num_accepted  # (B,) the last accepted token, beam-major
+        last = mx.take_along_axis(tree.index, flat[:, None], axis=1)  # (B, 1) its packed position
+        return result, mx.take_along_axis(out.hidden, last[..., None], axis=1)[:, 0]  # (B, D)
+
+    def own_token(self, logits: mx.array) -> mx.array:
+        """The target's own token at every node, with no read: where the likeliest tokens do not
+        hold a node's nucleus, that node's draw comes from the full sort instead. Which draw is
+        kept depends on the logits alone, never on a draw, so each is the target's sample."""
+        p = self.params
+        if p.greedy or not 0.0 < p.top_p < 1.0:
+            return super().own_token(logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        cut, held = top_nucleus(logprobs, p.top_p)
+        quick = mx.random.categorical(cut * (1.0 / p.temperature))
+        full = mx.random.categorical(sampling_logits(logprobs, p.temperature, p.top_p))
+        return mx.where(held, quick, full)
+
+    def keep_accepted(self, tree: Tree, best: np.ndarray, accepted: np.ndarray) -> None:
+        """As `RedrafterLoop.keep_accepted`, the moved paths gathered on the device."""
+        width = int(accepted.max()) + 1
+        physical = self.committed
+        L = tree.device_beams.shape[-1]
+        in_place = all(np.array_equal(tree.packed[b].index[best[b], : accepted[b] + 1], np.arange(accepted[b] + 1))
+                       for b in range(len(self.rows)))
+        if in_place:
+            self.cache._keep_first(physical, width)
+        else:
+            steps = mx.minimum(mx.arange(width)[None, :], self._accepted_dev[:, None])  # holes repeat a kept one
+            start = (self._best_dev * L).astype(mx.int32)[:, None]  # (B, 1) the accepted beam's first
+            kept = mx.take_along_axis(tree.index, start + steps, axis=1)
+            for layer in self.cache.layers:
+                layer.keep_appended_rows(physical, kept.astype(mx.int32), width)
+        self.committed = self.cache.offset
+        new_valid = np.zeros((len(self.rows), width), dtype=bool)
+        for b in range(len(self.rows)):
+            new_valid[b, : accepted[b] + 1] = True
+        self.valid = np.concatenate([self.valid, new_valid], axis=1)
+        if self.valid_dev is not None or not new_valid.all():
+            fresh = mx.arange(width)[None, :] <= self._accepted_dev[:, None]  # (B, width), on the device
+            if self.valid_dev is None:  # the first holes: the history so far, once
+                self.valid_dev = to_device(self.valid[:, :-width])
+            self.valid_dev = mx.concatenate([self.valid_dev, fresh], axis=1)
+
+    def select_rows(self) -> None:
+        keep = self.keep
+        super().select_rows()
+        if keep is not None and self.valid_dev is not None:
+            self.valid_dev = None if self.valid.all() else to_device(self.valid)

@@ -1,0 +1,131 @@
+"""ReDrafter's device step (decoding/redrafter_device.py): the same greedy answers as plain
+decoding, one blocking read and one host-built array per step, a few verify shapes, exact
+sampling at the nodes, and a stop mid-answer that leaves nothing behind."""
+
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_specdec import masks
+from mlx_specdec.acceptance import target_probs
+from mlx_specdec.decoding import GenerationParams
+from mlx_specdec.decoding.redrafter_device import DeviceLoop, beam_width, verify_width
+
+from conftest import make_tiny_lm
+from test_redrafter import PROMPTS, engine_with, oracle_head, random_head, run, run_batch
+from test_sampling_match import chi_square_threshold
+
+DEVICE = {"step": "device"}
+
+
+def device_run(engine, prompt, **params):
+    options = {**DEVICE, **params.pop("options", {})}
+    return run(engine, prompt, "redrafter", options=options, **params)
+
+
+def batch_answers(engine, prompts, **params):
+    return run_batch(engine, prompts, **params)[0]
+
+
+@pytest.mark.parametrize("options", [{}, {"lookup": 0}, {"draft_cutoff": 0.0, "lookup": 0},
+                                     {"beam_width": 2, "beam_length": 4, "lookup": 0},
+                                     {"runners_up": 0}, {"beam_length": 3}])
+def test_the_device_step_writes_plain_decoding_s_greedy_answer(options):
+    lm = make_tiny_lm(seed=3, eos_id=96)
+    engine = engine_with(lm, oracle_head(lm, PROMPTS, corrupt=0.3))
+    drafted = 0
+    for prompt in PROMPTS:
+        want, _ = run(engine, prompt, "ar", max_tokens=40)
+        got, stats = device_run(engine, prompt, max_tokens=40, options=dict(options))
+        assert got == want
+        drafted += stats.accepted
+    assert drafted > 0  # drafts were really accepted
+
+
+def test_the_device_step_with_a_random_head_and_a_penalty_writes_plain_decoding_s_answer():
+    lm = make_tiny_lm(seed=1, eos_id=96)
+    engine = engine_with(lm, random_head(lm, seed=1))
+    for prompt in PROMPTS:
+        want, _ = run(engine, prompt, "ar", max_tokens=30, repetition_penalty=1.3)
+        got, _ = device_run(engine, prompt, max_tokens=30, repetition_penalty=1.3)
+        assert got == want
+
+
+def test_a_batch_with_holes_writes_each_row_s_plain_answer():
+    lm = make_tiny_lm(seed=3, eos_id=96)
+    engine = engine_with(lm, oracle_head(lm, PROMPTS, corrupt=0.3))
+    wants = [run(engine, p, "ar", max_tokens=30)[0] for p in PROMPTS]
+    got = batch_answers(engine, PROMPTS, max_tokens=30, options=dict(DEVICE))
+    assert got == wants
+
+
+def test_one_read_and_one_host_array_a_step_and_a_few_shapes():
+    lm = make_tiny_lm(seed=3, eos_id=96)
+    engine = engine_with(lm, oracle_head(lm, PROMPTS, corrupt=0.3))
+    for temperature in (0.0, 0.7):
+        _, stats = device_run(engine, PROMPTS[1], max_tokens=60, temperature=temperature, top_p=0.9, seed=1)
+        assert stats.extra["syncs_per_step"] == 1.0
+        assert stats.extra["host_arrays_per_step"] == 1.0
+        assert stats.extra["verify_shapes"] <= 4
+    _, host = run(engine, PROMPTS[1], "redrafter", max_tokens=60, options={"step": "host"})
+    assert host.extra["syncs_per_step"] > 1.5 and host.extra["host_arrays_per_step"] > 2
+    _, ar = run(engine, PROMPTS[1], "ar", max_tokens=60)
+    assert (ar.extra["syncs_per_step"], ar.extra["host_arrays_per_step"], ar.extra["verify_shapes"]) == (1, 0, 1)
+
+
+def test_stopping_mid_answer_rolls_the_queued_step_back():
+    lm = make_tiny_lm(seed=3, eos_id=96)
+    engine = engine_with(lm, oracle_head(lm, PROMPTS, corrupt=0.3))
+    want, _ = run(engine, PROMPTS[0], "ar", max_tokens=40)
+    params = GenerationParams(max_tokens=40, options=dict(DEVICE))
+    stream = engine.generate_ids(PROMPTS[0], "redrafter", params)
+    seen = []
+    for event in stream:
+        seen += event.tokens if event.kind == "token" else []
+        if len(seen) >= 7:
+            break
+    stream.close()
+    assert seen == want[: len(seen)]
+    assert device_run(engine, PROMPTS[0], max_tokens=40)[0] == want
+
+
+def test_seeded_sampling_on_the_device_step_is_reproducible():
+    lm = make_tiny_lm(seed=3, eos_id=96)
+    engine = engine_with(lm, oracle_head(lm, PROMPTS))
+    first = device_run(engine, PROMPTS[0], max_tokens=30, temperature=0.8, top_p=0.9, seed=7)[0]
+    assert first == device_run(engine, PROMPTS[0], max_tokens=30, temperature=0.8, top_p=0.9, seed=7)[0]
+
+
+def test_widths_come_from_a_few_buckets():
+    assert [verify_width(n) for n in (1, 2, 4, 5, 9, 17, 70)] == [1, 4, 4, 8, 16, 32, 128]
+    assert [beam_width(w) for w in (1, 2, 3, 5)] == [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize("parents", [[-1, 0, 1, 0, 3, -1, -1, -1], [-1, 0, 0, 1, 2, 3, 5, 6], [-1]])
+def test_the_tree_mask_and_depths_built_on_the_device_are_the_host_s(parents):
+    mask, depths = masks.tree_on_device(mx.array([parents], dtype=mx.int32))
+    assert (np.array(mask[0, 0]) == masks.tree_mask_np(parents)).all()
+    assert (np.array(depths[0]) == masks.tree_depths_np(parents)).all()
+
+
+def test_a_node_s_own_token_is_the_target_s_sample_with_and_without_the_quick_nucleus():
+    """Two nodes over 1,500 tokens: one whose top-p nucleus lies in the likeliest 1,024 tokens,
+    one so flat it does not (the full sort draws it). 40,000 draws each, binned; chi-square."""
+    rng = np.random.default_rng(0)
+    V, draws = 1500, 40_000
+    logits = np.stack([rng.normal(size=V) * 4.0, rng.normal(size=V) * 0.05]).astype(np.float32)
+    params = SimpleNamespace(greedy=False, temperature=0.7, top_p=0.9)
+    loop = SimpleNamespace(params=params)
+    batch = mx.broadcast_to(mx.array(logits)[None], (draws, 2, V))
+    mx.random.seed(3)
+    tokens = np.array(DeviceLoop.own_token(loop, batch))  # (draws, 2)
+    p = np.array(target_probs(mx.array(logits), params.temperature, params.top_p), dtype=np.float64)
+    for node in range(2):
+        order = np.argsort(-p[node])
+        bins = np.array_split(order[p[node][order] > 0], 20)
+        expected = np.array([p[node][b].sum() for b in bins]) / p[node].sum() * draws
+        observed = np.array([np.isin(tokens[:, node], b).sum() for b in bins])
+        assert observed.sum() == draws  # never a token outside the nucleus
+        assert ((observed - expected) ** 2 / expected).sum() < chi_square_threshold(len(bins) - 1)
