@@ -2,11 +2,13 @@
 
 A model spec is one of:
 - `default` / `default-4bit` / `default-f16`: the embedded SmolLM2-135M-Instruct (see `default`);
-- a local directory in Hugging Face / mlx-lm layout (config.json + *.safetensors + tokenizer);
+- a local directory in Hugging Face / mlx-lm layout (config.json + *.safetensors + tokenizer), or
+  with PyTorch `pytorch_model*.bin` weights instead (converted once into the cache: torch_convert);
 - a local `.gguf` file (converted once into the cache);
 - a Hugging Face repo id (`owner/name`), downloaded with huggingface-hub.
 
-Loading, quantized layers and tokenizers are mlx-lm's. Pickled `.bin` weights are never loaded.
+Loading, quantized layers and tokenizers are mlx-lm's. Pickled `.bin` weights are read only by
+torch_checkpoint's restricted unpickler: tensors, nothing imported or run.
 Every failure a user can cause raises a `UserError` with one clear line.
 """
 
@@ -109,7 +111,9 @@ def resolve_model_path(spec: Optional[str]) -> Path:
         return ensure_default_model("4bit")
     path = Path(spec).expanduser()
     if path.is_dir():
-        return path
+        from .torch_convert import converted_torch_dir
+
+        return converted_torch_dir(path)  # itself, unless it has only PyTorch .bin weights
     if path.is_file():
         if path.suffix.lower() == ".gguf":
             from .gguf import convert_gguf
@@ -166,8 +170,8 @@ def check_weights(path: Path) -> None:
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
         if list(path.glob("*.bin")) or list(path.glob("*.pt")):
-            raise UnsupportedModel(f"{path} has only pickled .bin weights; they are never loaded. "
-                                   "Convert them to safetensors first")
+            raise UnsupportedModel(f"{path} has pickled weights but no pytorch_model.bin or "
+                                   "pytorch_model.bin.index.json; convert them to safetensors first")
         raise ModelNotFound(f"{path} has no .safetensors weights")
     for shard in shards:
         _check_safetensors_header(shard)
