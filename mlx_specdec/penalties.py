@@ -26,7 +26,8 @@ from .errors import UserError
 
 #: the GenerationParams fields that are penalties, and the value that turns each off
 OFF = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
-#: methods that apply them exactly (`auto` picks ar or redrafter); the others refuse a request that sets one
+#: methods that apply them (exactly as below; `mlx-lm` by mlx-lm's own processors, and `auto` picks ar or
+#: redrafter); the others refuse a request that sets one
 SUPPORTED = ("ar", "mlx-lm", "redrafter", "triforce", "auto", "pp-ar", "pp-spec", "pipeinfer")
 
 
@@ -46,10 +47,21 @@ def requested(params) -> List[str]:
 
 
 def check_method(method: str, params) -> None:
-    """Refuse (one line, naming the field) a penalty the method does not apply."""
+    """Refuse (one line, naming the field) a penalty the method does not apply: `mlx-lm` runs
+    mlx-lm's own processors, so a penalty the installed mlx-lm lacks is refused too."""
     wanted = requested(params)
     if wanted and method not in SUPPORTED:
         raise Unsupported(wanted[0], method)
+    if wanted and method == "mlx-lm":
+        import inspect
+
+        import mlx_lm
+        from mlx_lm.sample_utils import make_logits_processors
+
+        takes = inspect.signature(make_logits_processors).parameters
+        for name in wanted:
+            if name not in takes:
+                raise Unsupported(name, f"mlx-lm {getattr(mlx_lm, '__version__', '')}".strip())
 
 
 @dataclass(frozen=True)

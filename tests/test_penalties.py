@@ -143,14 +143,16 @@ def test_redrafter_with_prompt_lookup_and_penalties_equals_ar():
         assert tokens_of(engine.generate_ids(prompt, "redrafter", GenerationParams(max_tokens=30, **fields))) == want
 
 
-def test_mlx_lm_and_continuous_batching_write_ar_s_answer_with_penalties():
+def test_continuous_batching_and_mlx_lm_s_repetition_penalty_write_ar_s_answer():
+    """mlx-lm's repetition penalty is ours; its presence and frequency are not (the next test)."""
     lm = make_tiny_lm(seed=1, eos_id=0)
     engine = Engine(lm, drafter=None)
     rows = [dict(repetition_penalty=1.6), dict(frequency_penalty=0.8), {}]
     want = [tokens_of(engine.generate_ids(p, "ar", GenerationParams(max_tokens=16, **f)))
             for p, f in zip(PROMPTS, rows)]
     for prompt, fields, answer in zip(PROMPTS, rows, want):
-        assert tokens_of(engine.generate_ids(prompt, "mlx-lm", GenerationParams(max_tokens=16, **fields))) == answer
+        if "frequency_penalty" not in fields:
+            assert tokens_of(engine.generate_ids(prompt, "mlx-lm", GenerationParams(max_tokens=16, **fields))) == answer
     decoder = ContinuousDecoder(lm)  # rows with different penalties in one batch
     idents = {decoder.join(p, GenerationParams(max_tokens=16, **f)): i for i, (p, f) in enumerate(zip(PROMPTS, rows))}
     got = {i: [] for i in idents.values()}
@@ -159,6 +161,35 @@ def test_mlx_lm_and_continuous_batching_write_ar_s_answer_with_penalties():
             if event.kind == "token":
                 got[idents[event.thread_id]] += event.tokens
     assert [got[i] for i in range(len(PROMPTS))] == want
+
+
+@pytest.mark.parametrize("fields", [dict(repetition_penalty=1.6), PENALTIES[-1]])
+def test_the_mlx_lm_method_writes_mlx_lm_s_own_answer_with_its_own_penalties(fields):
+    """`mlx-lm` runs mlx-lm's processors: its presence and frequency count the last 20 tokens of
+    prompt + answer (ours, OpenAI's, count the answer)."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_logits_processors
+
+    lm = make_tiny_lm(seed=1, eos_id=0)
+    engine = Engine(lm, drafter=None)
+    same_as_ar = []
+    for prompt in PROMPTS:
+        got = tokens_of(engine.generate_ids(prompt, "mlx-lm", GenerationParams(max_tokens=16, **fields)))
+        steps = generate_step(mx.array(prompt), lm.model, max_tokens=16, logits_processors=make_logits_processors(**fields))
+        assert got == [int(t) for t, _ in steps], prompt
+        same_as_ar.append(got == tokens_of(engine.generate_ids(prompt, "ar", GenerationParams(max_tokens=16, **fields))))
+    assert all(same_as_ar) == ("frequency_penalty" not in fields)  # a prompt's tokens counted: another answer
+
+
+def test_the_mlx_lm_method_refuses_a_penalty_its_mlx_lm_lacks(monkeypatch):
+    from mlx_lm import sample_utils
+
+    monkeypatch.setattr(sample_utils, "make_logits_processors",
+                        lambda logit_bias=None, repetition_penalty=None, repetition_context_size=20: [])
+    engine = Engine(make_tiny_lm(), drafter=None)
+    with pytest.raises(Unsupported, match=r"^presence_penalty: not supported by mlx-lm [0-9.]+$"):
+        engine.generate_ids(PROMPTS[0], "mlx-lm", GenerationParams(presence_penalty=0.5))
+    engine.generate_ids(PROMPTS[0], "mlx-lm", GenerationParams(repetition_penalty=1.2))  # one it has
 
 
 def test_a_packed_tree_s_every_node_is_penalized_by_its_own_path():

@@ -1,8 +1,9 @@
 """The peer baseline: `mlx_lm.generate_step` on the same loaded model, as a strategy.
 
 Wrapping it in our driver means both are detokenised, timed and counted by the same code, so the
-bench compares decoding loops, not bookkeeping. Penalties go in as mlx-lm's own logits processor
-hook, computed by penalties.py over the tokens mlx-lm hands it (prompt + answer).
+bench compares decoding loops, not bookkeeping. Penalties are mlx-lm's own logits processors
+(`make_logits_processors`), with mlx-lm's definitions: presence and frequency count the last 20
+tokens of prompt + answer, not the answer (docs/server.md, "Penalties").
 """
 
 from __future__ import annotations
@@ -12,25 +13,22 @@ from typing import Iterator
 
 import mlx.core as mx
 
-from ..penalties import Penalties, penalize
+from ..penalties import check_method, requested
 from .base import DecodeContext, Step
 
 
 def _processors(ctx: DecodeContext):
-    pen = Penalties.of(ctx.params)
-    if pen is None:
+    """mlx-lm's own processors for the penalties the request turns on (None: none)."""
+    wanted = requested(ctx.params)
+    if not wanted:
         return None
-    start = len(ctx.prompt)
+    check_method("mlx-lm", ctx.params)  # one this mlx-lm lacks is refused in one line
+    from mlx_lm.sample_utils import make_logits_processors
 
-    def processor(tokens: mx.array, logits: mx.array) -> mx.array:  # tokens: prompt + answer so far
-        counts = None
-        if pen.counts:
-            counts = mx.zeros(logits.shape, dtype=mx.float32)
-            if len(tokens) > start:
-                counts = counts.at[0, tokens[start:]].add(1.0)
-        return penalize(logits, pen, counts, tokens[-pen.window:][None] if pen.recent else None)
-
-    return [processor]
+    given = {name: getattr(ctx.params, name) for name in wanted}
+    if "repetition_penalty" in given:
+        given["repetition_context_size"] = ctx.params.repetition_context_size
+    return make_logits_processors(**given)
 
 
 def mlx_lm_baseline(ctx: DecodeContext) -> Iterator[Step]:

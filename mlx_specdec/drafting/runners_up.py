@@ -25,11 +25,11 @@ first: its drafts and the runners-up compete for the verify's query tokens (`pla
 only: gains come from the head's confidences, which do not depend on what the target will say, so
 greedy output stays the target's.
 
-Greedy only: the head offers runners-up only with its greedy stepwise chain (`HeadProposer`), so a
-sampling step never reaches this planner. It could not be exact there: a runner-up is the head's
-own pick, not a draw from q, which the multi-candidate acceptance rule does not cover; and
-`plan_step` ranks all nodes together, so whether a depth-1 node is verified would depend on the
-reach of deeper drafts, which under sampling depends on the token drawn at depth 1.
+The head's greedy chain only (`HeadProposer` stepwise), which drafts greedy steps and the default
+sampling path alike: there the tree is fixed before any draw and each node takes the target's own
+sample, so runners-up change speed, never the distribution (tests/test_sampling_exact_default.py
+enumerates it). Not with sampled chains (`--sampled-drafts on`): a runner-up is the head's own
+pick, not a draw from q, which the multi-candidate acceptance rule does not cover.
 """
 
 from __future__ import annotations
