@@ -25,18 +25,20 @@ during is rolled back (`close`). The counts are in every answer's stats (`syncs_
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Iterator, List
+from typing import Iterator, List, Optional
 
 import mlx.core as mx
 import numpy as np
 
 from .. import masks
-from ..acceptance import greedy_accept_targets, sampling_logits, top_nucleus
+from ..acceptance import Accepted, greedy_accept_targets, sampling_logits, top_nucleus
+from ..drafting.verify_cost import CostTable, cost_of
 from ..host_traffic import read_host, to_device
 from .base import Step, drop_finished_rows
 from .redrafter_step import RedrafterLoop
-from .redrafter_types import Plan, Read, Tree
+from .redrafter_types import Plan, Read, Settings, Tree
 
 VERIFY_WIDTHS = (1, 4, 8, 16, 32, 64)  # a verify's query tokens are padded to one of these
 
@@ -52,11 +54,35 @@ def beam_width(beams: int) -> int:
     return 1 << max(0, beams - 1).bit_length()
 
 
+@mx.compile
+def _accept(beams: mx.array, own: mx.array, index: mx.array, hidden: mx.array):
+    """beams (B, W, L) padded; own (B, n) the target's token at each packed node; index (B, W*L)
+    each beam token's node; hidden (B, n, D). -> the beam accepted from, its drafts accepted, the
+    next token (B,) each, and the hidden state after the last accepted token (B, D). One compiled
+    graph per bucket of shapes."""
+    B, W, L = beams.shape
+    targets = mx.take_along_axis(own, index, axis=1)  # (B, W*L)
+    result = greedy_accept_targets(beams, targets.reshape(B, W, L))
+    flat = result.beam * L + result.num_accepted  # (B,) the last accepted token, beam-major
+    last = mx.take_along_axis(index, flat[:, None], axis=1)  # (B, 1) its packed position
+    return (*result, mx.take_along_axis(hidden, last[..., None], axis=1)[:, 0])
+
+
+def bucketed(table: Optional[CostTable]) -> Optional[CostTable]:
+    """The verify-cost table as the device step pays it: T query tokens cost what the verify
+    width they are padded to does, so the planner fills a bucket it pays for anyway."""
+    if table is None:
+        return None
+    widths = range(1, VERIFY_WIDTHS[-1] + 1)
+    costs = np.array([[cost_of(row, verify_width(t)) for t in widths] for row in table.costs])
+    return table._replace(costs=costs, source=table.source + ", by verify width")
+
+
 class DeviceLoop(RedrafterLoop):
     """`RedrafterLoop` with the step of this module's docstring (redrafter.py chooses it)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, ctx, s: Settings, sources, vocab: int):
+        super().__init__(ctx, dataclasses.replace(s, cost_table=bucketed(s.cost_table)), sources, vocab)
         self.head.whole_chain = bool(getattr(self.head, "stepwise", False))
         self.pending: List[Step] = []  # the last step's tokens, yielded while the next one computes
         self.valid_dev = None  # (B, P) `valid` on the device, only while some row has holes
@@ -173,14 +199,9 @@ class DeviceLoop(RedrafterLoop):
         return forward(self.model, tree.tokens, self.cache, positions=tree.positions, mask=mask)
 
     def accept(self, tree: Tree, length: int, out):
-        beams = tree.device_beams  # (B, Wb, Lb)
-        B, W, L = beams.shape
         logits = self.penalties.nodes(out.logits, tree.beams, tree.packed)  # (B, n, V)
-        targets = mx.take_along_axis(self.own_token(logits), tree.index, axis=1)  # (B, Wb*Lb)
-        result = greedy_accept_targets(beams, targets.reshape(B, W, L))
-        flat = result.beam * L + result.num_accepted  # (B,) the last accepted token, beam-major
-        last = mx.take_along_axis(tree.index, flat[:, None], axis=1)  # (B, 1) its packed position
-        return result, mx.take_along_axis(out.hidden, last[..., None], axis=1)[:, 0]  # (B, D)
+        beam, accepted, token, hidden = _accept(tree.device_beams, self.own_token(logits), tree.index, out.hidden)
+        return Accepted(beam, accepted, token), hidden
 
     def own_token(self, logits: mx.array) -> mx.array:
         """The target's own token at every node, with no read: where the likeliest tokens do not
