@@ -39,6 +39,7 @@ from .bench_prompts import DEFAULT_PROMPTS, LONG_PROMPTS, REPO_ROOT, Prompt, che
 WARMUP_MAX_TOKENS = 512
 WARMUP_PROMPT = "Say hello in one short sentence."
 
+TRAFFIC = ("syncs_per_step", "host_arrays_per_step", "host_idle_ms_per_step", "verify_shapes", "new_verify_shapes")
 ROW_COLUMNS = [
     "method", "config", "prompt_id", "category", "repeat", "prompt_tokens", "new_tokens",
     "decode_tps", "ttft_ms", "decode_s", "forward_passes", "tokens_per_forward", "drafted",
@@ -46,6 +47,8 @@ ROW_COLUMNS = [
     "threads", "max_cached_tokens", "flat_max_cached_tokens", "attended_tokens_mean",
     "flat_attended_tokens_mean", "answer_nll", "needle_found", "bottom_acceptance", "middle_acceptance",
     "attention_recall", "retrieval_rebuilds", "middle_forwards",
+    # what a step costs the host (host_traffic.py; None where not counted: a pipeline's ranks)
+    *TRAFFIC,
     # pipeline methods (bench_pipeline.py): runs launched through the ranks, each stage's idle fraction
     "runs", "speculative_runs", "cancelled", "tokens_per_pass", "stage_idle",
 ]
@@ -55,8 +58,8 @@ SUMMARY_COLUMNS = [
     "needles_found", "bottom_acceptance", "middle_acceptance", "attention_recall", "retrieval_rebuilds",
     "compression", "acceptance_per_position", "draft_ms_per_step", "verify_ms_per_step",
     "accept_ms_per_step", "pack_ms_per_step", "sync_ms_per_step",
-    # what a step costs the host, device-independent (host_traffic.py): medians over the answers
-    "syncs_per_step", "host_arrays_per_step", "verify_shapes", "new_verify_shapes",
+    # what a step costs the host (host_traffic.py): medians over the answers
+    *TRAFFIC,
     # apar: the paper's Tables 1, 2 and 7, each next to the flattened answer decoded sequentially
     "forked_fraction", "threads_mean", "threads_when_forked", "decode_steps_mean", "flat_decode_steps_mean",
     "max_cached_tokens_mean", "flat_max_cached_tokens_mean", "attended_tokens_mean",
@@ -71,8 +74,7 @@ CATEGORY_COLUMNS = [
     "attended_tokens_mean", "flat_attended_tokens_mean", "answer_nll", "nll_vs_ar",
 ]
 #: method-specific figures copied from `GenerationStats.extra` into each row when present
-EXTRA_FIELDS = ["steps", "syncs_per_step", "host_arrays_per_step", "verify_shapes", "new_verify_shapes",
-                "compression", "acceptance_per_position", "tree_tokens_before_dedup",
+EXTRA_FIELDS = ["steps", "compression", "acceptance_per_position", "tree_tokens_before_dedup",
                 "tree_tokens_after_dedup", "draft_s", "verify_s", "accept_s", "pack_s", "sync_s",
                 # apar: the answer's tree, and the same answer flattened and decoded sequentially
                 "threads", "forked", "max_live_threads", "decode_steps", "max_cached_tokens",
@@ -213,6 +215,7 @@ def result_row(config: MethodConfig, prompt: Prompt, repeat: int, stats, tokens:
         "drafted": stats.drafted, "accepted": stats.accepted,
         "peak_memory_mb": _round(stats.peak_memory_mb, 1),
         "_tokens": tokens,
+        **{k: stats.extra.get(k) for k in TRAFFIC},
         **{k: stats.extra[k] for k in EXTRA_FIELDS if k in stats.extra},
     }
 
@@ -356,9 +359,8 @@ def _apar_summary(mine: List[dict], rows: List[dict]) -> dict:
 
 def _traffic_summary(rows: List[dict]) -> dict:
     """Blocking reads and host-built arrays per step, verify shapes per answer: medians."""
-    return {k: statistics.median(r[k] for r in rows if k in r)
-            for k in ("syncs_per_step", "host_arrays_per_step", "verify_shapes", "new_verify_shapes")
-            if any(k in r for r in rows)}
+    counted = {k: [r[k] for r in rows if r.get(k) is not None] for k in TRAFFIC}
+    return {k: statistics.median(v) if v else None for k, v in counted.items()}
 
 
 def _speculation_summary(rows: List[dict]) -> dict:

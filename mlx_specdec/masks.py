@@ -49,7 +49,7 @@ def path_mask(paths: Sequence[Sequence[int]], width: int) -> mx.array:
     mask = np.zeros((len(paths), width), dtype=bool)
     for row, slots in enumerate(paths):
         mask[row, list(slots)] = True
-    return mx.array(mask)[None, None]
+    return to_device(mask)[None, None]
 
 
 def _check_topological(parents: Sequence[int]) -> None:

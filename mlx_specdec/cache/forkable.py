@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import masks
+from ..host_traffic import to_device
 
 GROW_STEP = 256
 
@@ -134,7 +135,7 @@ class ForkableKVCache:
         start = slots[0] if slots else self.high_water
         consecutive = slots == list(range(start, start + len(slots)))
         self._step_run = (start, start + len(slots)) if consecutive else None
-        self._step_index = None if consecutive else mx.array(slots, dtype=mx.int32)
+        self._step_index = None if consecutive else to_device(slots, dtype=mx.int32)
         self._step_offset = None
         lone = (len(self.paths) == 1 and bool(slots) and start == positions[0]
                 and start + len(slots) == self.high_water)  # an empty step is no thread's: not lone
@@ -146,7 +147,7 @@ class ForkableKVCache:
             return None, (None if len(slots) == 1 else "causal")
         visible = [self.paths[tid][: self.paths[tid].index(slot) + 1]  # its path up to and including itself
                    for tid, slot in zip(thread_ids, slots)]
-        return mx.array(positions, dtype=mx.int32)[None], masks.path_mask(visible, self.high_water)
+        return to_device(positions, dtype=mx.int32)[None], masks.path_mask(visible, self.high_water)
 
     def undo_step(self, thread_ids: Sequence[int]) -> None:
         """Take back the last `begin_step(thread_ids)`: each thread drops its newest slot and the

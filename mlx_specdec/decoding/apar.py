@@ -76,6 +76,7 @@ from ..apar.siblings import DEFAULT_PENALTY, SiblingRule
 from ..apar.tokens import ControlTokens, control_tokens_for, newline_token_ids
 from ..cache import ForkableKVCache
 from ..errors import UserError
+from ..host_traffic import Tally, queue, read_list, to_device
 from ..model.forward import forward
 from .base import DecodeContext, Step
 
@@ -158,6 +159,8 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
                "answer_tokens": 0, "control_tokens": 0, "dropped": 0,
                "empty_children": 0, "base_tokens": 0}
 
+    traffic = Tally()  # this answer's reads, host-built arrays and step shapes
+
     def report() -> None:
         P, T = len(prompt), figures["answer_tokens"]
         threads_written = next_id - figures["empty_children"]  # an empty child wrote nothing: not a thread
@@ -173,6 +176,7 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
             dropped_steps=figures["dropped"],
             fork_probe=probe is not None,
             base_model_tokens=figures["base_tokens"],  # written by the original model (fork probe)
+            **traffic.figures(),
             # the same answer flattened and decoded sequentially after the P prompt tokens: one
             # step per fed token (the prompt's last, then every answer token but the last unless
             # it was followed by EOS), the n-th step seeing P + n - 1 cached tokens
@@ -195,7 +199,7 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
         Allocates each row's slot in the cache now."""
         positions, mask = cache.begin_step(order, allow_contiguous=True)
         if skeleton:  # LoRA only for rows of threads that have forked; none: the plain base forward
-            gate.value = mx.array(lora_on, dtype=mx.float32)[None, :, None] if any(lora_on) else None
+            gate.value = to_device(lora_on, dtype=mx.float32)[None, :, None] if any(lora_on) else None
         if base_phase:  # the original model and the probe's [Fork] logit (only the root is live)
             out = forward(probe.model, tokens[None], cache, positions=positions, mask=mask, logits_for="all")
             logits = probe.logits_with_control(out.hidden[0], out.logits[0])  # (N, V + 2)
@@ -225,7 +229,7 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
                 order, chosen = queued  # may hold rows of threads that have ended since
             else:
                 order = list(threads)  # live thread ids; row r of this step is thread order[r]
-                tokens = mx.array([threads[t].pending for t in order])
+                tokens = to_device([threads[t].pending for t in order])
                 chosen = build_step(order, tokens, [threads[t].skeleton for t in order], step_no + 1)
             queued = None
             step_no += 1
@@ -235,19 +239,20 @@ def apar(ctx: DecodeContext) -> Iterator[Step]:
 
             # The answer's figures count live rows (a row of an ended thread computed nothing read).
             figures["steps"] += 1
+            traffic.verify((len(order),))
             figures["rows"] += len(live)
             figures["attended"] += sum(cache.length(t) for t in live)  # each row sees its whole path
             figures["max_cached"] = max(figures["max_cached"], cache.live_slots)
             figures["max_live"] = max(figures["max_live"], len(live))
 
             if speculate and not any(threads[t].fork_child is not None for t in live):
-                live_rows = chosen[:, mx.array(rows)] if len(rows) < len(order) else chosen
-                written = mx.where(mx.array(allowed), live_rows[0], live_rows[1])  # what each writes
+                live_rows = chosen[:, to_device(rows)] if len(rows) < len(order) else chosen
+                written = mx.where(to_device(allowed), live_rows[0], live_rows[1])  # what each writes
                 if base_phase:  # the original model has no [Fork] row: a fork drops this step anyway
                     written = mx.where(written == control.fork, live_rows[1], written)
                 queued = (live, build_step(live, written, [threads[t].skeleton for t in live], step_no + 1))
-                mx.async_eval(queued[1])
-            may_fork, no_fork = chosen.tolist()  # host sync (one per step), overlapped with the queued step
+                queue(queued[1])
+            may_fork, no_fork = read_list(chosen)  # host sync (one per step), overlapped with the queued step
             values = [may_fork[r] if ok else no_fork[r] for r, ok in zip(rows, allowed)]
             child_starts = [no_fork[r] for r in rows]
             ends = [v in eos or (skeleton and threads[t].depth > 0 and not threads[t].skeleton and v in line_breaks)
@@ -350,5 +355,5 @@ def _apply_rules(logits: mx.array, control: ControlTokens, fork_allowed: List[bo
     blocked = mx.array(-float("inf"), dtype=logits.dtype)
     logits[:, control.child] = blocked
     if not all(fork_allowed):
-        logits[:, control.fork] = mx.where(mx.array(fork_allowed), logits[:, control.fork], blocked)
+        logits[:, control.fork] = mx.where(to_device(fork_allowed), logits[:, control.fork], blocked)
     return logits

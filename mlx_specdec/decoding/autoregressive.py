@@ -11,7 +11,7 @@ from typing import Iterator
 
 import mlx.core as mx
 
-from ..host_traffic import Tally, read_scalar
+from ..host_traffic import Tally, queue, read_scalar
 from ..model.forward import forward
 from ..penalties import History, Penalties
 from .base import DecodeContext, Step, keep_prefix, prefilled_cache
@@ -40,11 +40,11 @@ def autoregressive(ctx: DecodeContext) -> Iterator[Step]:
     eos = ctx.lm.eos_token_ids
     token = next_token(mx.array(ctx.prompt[-1:]))
     traffic = Tally()  # per step: one read, no host-built array, one shape
-    mx.async_eval(token)
+    queue(token)
     try:
         while True:
             following = next_token(token)
-            mx.async_eval(following)
+            queue(following)
             value = read_scalar(token)  # host sync (one per token), overlapped with `following`
             ctx.stats.forward_passes += 1  # the forward that produced `value`
             traffic.verify((1, 1))

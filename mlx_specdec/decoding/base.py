@@ -113,7 +113,7 @@ class GenerationStats:
                      f" | attended {extra['attended_tokens_mean']} vs {extra['flat_attended_tokens_mean']} (flat)")
         if "syncs_per_step" in extra:
             line += (f" | per step {extra['syncs_per_step']:g} reads, {extra['host_arrays_per_step']:g} host arrays"
-                     f", {extra['verify_shapes']} verify shapes")
+                     f", {extra['host_idle_ms_per_step']:.1f} ms device idle; {extra['verify_shapes']} verify shapes")
         timed = [k for k in ("draft_s", "pack_s", "verify_s", "accept_s", "sync_s") if k in extra]
         if timed and extra.get("steps"):
             line += " | ms/step " + " ".join(f"{k[:-2]} {1000 * extra[k] / extra['steps']:.1f}" for k in timed)

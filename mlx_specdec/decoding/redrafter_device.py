@@ -35,7 +35,7 @@ import numpy as np
 from .. import masks
 from ..acceptance import Accepted, greedy_accept_targets, sampling_logits, top_nucleus
 from ..drafting.verify_cost import CostTable, cost_of
-from ..host_traffic import read_host, to_device
+from ..host_traffic import queue, read_host, to_device
 from .base import Step, drop_finished_rows
 from .redrafter_step import RedrafterLoop
 from .redrafter_types import Plan, Read, Settings, Tree
@@ -135,7 +135,7 @@ class DeviceLoop(RedrafterLoop):
         self.mark("accept_s", result, hidden)
         drafts = self.head.propose(result.next_token, hidden)
         wanted = [result.beam, result.num_accepted, result.next_token, *self.draft_outputs(drafts)]
-        mx.async_eval(*wanted)
+        queue(*wanted)
         yield from self.flush()  # the consumer's work on the last step's tokens overlaps this one
         best, accepted, token, *values = read_host(*wanted)  # the step's one blocking read
         self.mark("sync_s")

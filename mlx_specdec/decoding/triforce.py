@@ -46,6 +46,7 @@ from ..cache import QueryRecorder, RetrievalKVCache
 from ..cache.retrieval import attention_recall
 from ..drafting.middle import Bottom, ChainVerifier, MiddleLevelProposer
 from ..errors import UserError
+from ..host_traffic import Tally
 from ..model.forward import forward
 from ..penalties import for_chain
 from .base import DecodeContext, Step, keep_prefix, prefilled_cache
@@ -131,8 +132,10 @@ def triforce(ctx: DecodeContext) -> Iterator[Step]:
             bottom_acceptance=round(middle.accepted / max(middle.drafted, 1), 3),
             middle_acceptance=round(c["top_accepted"] / max(c["top_drafted"], 1), 3),
             tokens_per_full_forward=round((c["top_accepted"] + c["top_forwards"]) / max(c["top_forwards"], 1), 3),
-            middle_forwards=middle.forwards, retrieval_rebuilds=c["rebuilds"], attention_recall=round(recall, 3))
+            middle_forwards=middle.forwards, retrieval_rebuilds=c["rebuilds"], attention_recall=round(recall, 3),
+            **traffic.figures())
 
+    traffic = Tally()  # per top-level verify: reads, host-built arrays, shapes (the middle's rounds included)
     try:
         while True:
             drafts, handed_up = middle.collect(token, hidden)
@@ -147,6 +150,7 @@ def triforce(ctx: DecodeContext) -> Iterator[Step]:
             top.cache = full
             stats.forward_passes += 1
             counts["top_forwards"] += 1
+            traffic.verify((1, 1 + len(drafts)))
             counts["top_drafted"] += len(drafts)
             counts["top_accepted"] += n
             rolling.append(n / len(drafts))

@@ -30,6 +30,7 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from ..acceptance import greedy_accept, sample_probs, sampling_accept, target_probs
+from ..host_traffic import read_host, read_list, to_device
 from ..model.forward import forward
 from ..penalties import ChainPenalties
 from .base import Proposal, Proposer, ProposerDefaults, RunningRate, one_hot_probs
@@ -57,11 +58,11 @@ class Bottom:
             tokens = [] if chain is None else list(chain.tokens)
             if not tokens or not self.sampling:
                 return tokens, None
-            return tokens, one_hot_probs(mx.array([[[x] + tokens]]), self.vocab)[0, 0]
+            return tokens, one_hot_probs(to_device([[[x] + tokens]]), self.vocab)[0, 0]
         if hidden is None and self.source.needs_hidden:
             return [], None  # the round's first middle forward has no hidden state yet
-        proposal = self.source.propose(mx.array([x]), hidden)
-        tokens = [int(t) for t in proposal.beams[0, 0, 1:].tolist()]  # host sync (the drafts' values)
+        proposal = self.source.propose(to_device([x]), hidden)
+        tokens = [int(t) for t in read_list(proposal.beams[0, 0, 1:])]  # host sync (the drafts' values)
         probs = None if proposal.draft_probs is None else proposal.draft_probs[0, 0]
         return tokens, probs
 
@@ -87,9 +88,9 @@ class ChainVerifier:
         and the answer, fed[0] last) is what the penalties, if any, count. Returns (drafts
         accepted n, the next token, the distributions of the n + 1 tokens written (k+1, V) or
         None when greedy, the hidden states (1, k+1, D)). The one host sync of a verify."""
-        out = forward(self.model, mx.array([fed]), self.cache, logits_for="all")  # logits (1, k+1, V)
+        beams = to_device([fed])  # (1, k+1): one beam of k + 1 tokens, the forward's input too
+        out = forward(self.model, beams, self.cache, logits_for="all")  # logits (1, k+1, V)
         logits = out.logits if self.penalties is None else self.penalties.chain(out.logits, text, fed)
-        beams = mx.array([fed])  # one beam of k + 1 tokens
         if self.greedy:
             accepted, probs = greedy_accept(beams, logits), None
             num_accepted, next_token = accepted.num_accepted, accepted.next_token
@@ -100,9 +101,9 @@ class ChainVerifier:
             else:
                 accepted = sampling_accept(beams, probs[None], draft_probs[None])
                 num_accepted, next_token = accepted.num_accepted, accepted.next_token
-        mx.eval(num_accepted, next_token)  # host sync
-        n = int(num_accepted.item())
-        return n, int(next_token.item()), None if probs is None else probs[: n + 1], out.hidden
+        n, following = read_host(num_accepted, next_token)  # host sync
+        n = int(n)
+        return n, int(following), None if probs is None else probs[: n + 1], out.hidden
 
 
 class MiddleLevelProposer(RunningRate, ProposerDefaults):
