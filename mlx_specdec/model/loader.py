@@ -5,10 +5,14 @@ A model spec is one of:
 - a local directory in Hugging Face / mlx-lm layout (config.json + *.safetensors + tokenizer), or
   with PyTorch `pytorch_model*.bin` weights instead (converted once into the cache: torch_convert);
 - a local `.gguf` file (converted once into the cache);
-- a Hugging Face repo id (`owner/name`), downloaded with huggingface-hub.
+- a Hugging Face repo id (`owner/name`), downloaded with huggingface-hub: its config, tokenizer
+  files and weights, safetensors where the repo has them, else its `pytorch_model*.bin` shards
+  (converted as a local directory's are: Vicuna's official repos ship only those).
 
-Loading, quantized layers and tokenizers are mlx-lm's. Pickled `.bin` weights are read only by
-torch_checkpoint's restricted unpickler: tensors, nothing imported or run.
+Loading, quantized layers and tokenizers are mlx-lm's; a tokenizer that only a sentencepiece
+`tokenizer.model` describes (Vicuna's, Llama 1/2's) is made to encode as sentencepiece itself does
+(`sentencepiece_tokenizer`). Pickled `.bin` weights are read only by torch_checkpoint's restricted
+unpickler: tensors, nothing imported or run.
 Every failure a user can cause raises a `UserError` with one clear line.
 """
 
@@ -47,6 +51,12 @@ VICUNA_TEMPLATE = (
 )
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+# What a repo download fetches: the config, tokenizer and card files, and one kind of weights.
+REPO_FILES = ["*.json", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja", "README.md"]
+SAFETENSORS_WEIGHTS = ["*.safetensors"]
+TORCH_WEIGHTS = ["pytorch_model*.bin"]  # and their pytorch_model.bin.index.json (*.json); never other pickles
+_TORCH_WEIGHT = re.compile(r"pytorch_model(-\d+-of-\d+)?\.bin")
 
 
 @dataclass
@@ -124,29 +134,76 @@ def resolve_model_path(spec: Optional[str]) -> Path:
             return out
         raise UnsupportedModel(f"{spec} is a file; give a model directory or a .gguf file")
     if _REPO_ID.match(spec) and not spec.startswith((".", "/", "~")):
-        return download_repo(spec)
+        from .torch_convert import converted_torch_dir
+
+        return converted_torch_dir(download_repo(spec), name=spec.replace("/", "--"))
     raise ModelNotFound(f"no model at {spec!r} (not a directory, .gguf file or repo id)")
 
 
+def weight_patterns(files: List[str]) -> Optional[List[str]]:
+    """The weights to fetch from a repo holding `files`: its safetensors where it has any, else its
+    PyTorch `pytorch_model*.bin` checkpoint; None when it has neither."""
+    if any(f.endswith(".safetensors") for f in files):
+        return SAFETENSORS_WEIGHTS
+    if any(_TORCH_WEIGHT.fullmatch(f) for f in files):
+        return TORCH_WEIGHTS
+    return None
+
+
+def _has_weights(path: Path, patterns: List[str]) -> bool:
+    return any(any(path.glob(pattern)) for pattern in patterns)
+
+
 def download_repo(repo_id: str) -> Path:
-    """Download safetensors weights, configs and tokenizer files (never pickles)."""
+    """Download a repo's config, tokenizer files and weights (`weight_patterns`, decided from the
+    repo's file list, as the Hub's model_info gives it). Offline, a snapshot already in the local
+    cache serves: safetensors first, else a PyTorch checkpoint. Pickles are fetched only as
+    `pytorch_model*.bin` weights, and read only by torch_checkpoint (nothing in them runs)."""
     os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
     os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "30")
     try:
-        from huggingface_hub import snapshot_download
+        import huggingface_hub
+        from huggingface_hub.utils import RepositoryNotFoundError, RevisionNotFoundError  # also 0.2x
+    except ImportError as exc:  # a broken install: still one line
+        raise ModelNotFound(f"cannot get {repo_id!r}: huggingface_hub does not import ({exc})") from None
 
-        return Path(
-            snapshot_download(
-                repo_id,
-                allow_patterns=["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"],
-            )
-        )
-    except Exception as exc:
+    try:
+        # model_info: one request (list_repo_files retries for half a minute, noisily, offline)
+        info = huggingface_hub.model_info(repo_id, timeout=float(os.environ["HF_HUB_ETAG_TIMEOUT"]))
+        files = [sibling.rfilename for sibling in info.siblings or ()]
+    except (RepositoryNotFoundError, RevisionNotFoundError) as exc:  # GatedRepoError is one too
         kind = type(exc).__name__
-        raise ModelNotFound(
-            f"cannot get {repo_id!r} from the Hugging Face Hub ({kind}): offline, or no such repo; "
-            "pass a local model directory instead"
-        ) from None
+        raise ModelNotFound(f"no model {repo_id!r} on the Hugging Face Hub ({kind}): no such repo, or it is "
+                            "private or gated (log in with `hf auth login`); pass a local model directory "
+                            "instead") from None
+    except Exception:  # offline, or the Hub unreachable: the local cache decides below
+        files = None
+
+    if files is not None:
+        weights = weight_patterns(files)
+        if weights is None:
+            raise UnsupportedModel(f"{repo_id} has neither safetensors nor pytorch_model*.bin weights")
+        try:
+            return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=REPO_FILES + weights))
+        except Exception as exc:
+            raise ModelNotFound(f"cannot download {repo_id!r} from the Hugging Face Hub ({type(exc).__name__}: "
+                                f"{_first_line(exc)}); pass a local model directory instead") from None
+
+    for weights in (SAFETENSORS_WEIGHTS, TORCH_WEIGHTS):
+        try:
+            path = Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=REPO_FILES + weights,
+                                                          local_files_only=True))
+        except Exception:
+            continue
+        if _has_weights(path, weights):
+            return path
+    raise ModelNotFound(f"cannot get {repo_id!r} from the Hugging Face Hub: offline (or the Hub unreachable) and "
+                        "it is not in the local cache; pass a local model directory instead")
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else "no message"
 
 
 def read_config(path: Path) -> dict:
@@ -267,8 +324,7 @@ def load_model(spec: Optional[str] = "default", dtype: str = "auto", dequantize:
     if compute == "float32" and on_cpu():  # row- or column-major, as measured fastest here (cpu_layout.py)
         layout = apply_cpu_layout(model, name, compute).describe()
 
-    if getattr(tokenizer, "chat_template", None) is None:
-        tokenizer._tokenizer.chat_template = VICUNA_TEMPLATE
+    finish_tokenizer(tokenizer, path)
     return LoadedModel(model, tokenizer, path, name, config, compute, bits, dequantized, layout)
 
 
@@ -280,6 +336,66 @@ def load_tokenizer_only(spec: Optional[str] = "default") -> LoadedModel:
     path = resolve_model_path(spec)
     config = read_config(path)
     tokenizer = load_tokenizer(path)
+    finish_tokenizer(tokenizer, path)
+    return LoadedModel(None, tokenizer, path, path.name, config, "float32", None)
+
+
+def finish_tokenizer(tokenizer, path: Path) -> None:
+    """What mlx-lm's tokenizer lacks for a Llama checkpoint: sentencepiece's own encoding where only
+    a `tokenizer.model` describes it, and Vicuna's conversation format where it has no chat template."""
+    sentencepiece_tokenizer(tokenizer, path)
     if getattr(tokenizer, "chat_template", None) is None:
         tokenizer._tokenizer.chat_template = VICUNA_TEMPLATE
-    return LoadedModel(None, tokenizer, path, path.name, config, "float32", None)
+
+
+def sentencepiece_tokenizer(tokenizer, path: Path) -> bool:
+    """Make a tokenizer that only a sentencepiece `tokenizer.model` describes (no tokenizer.json:
+    Vicuna's and Llama 1/2's official repos) encode as sentencepiece does. transformers converts the
+    .model, and its conversion may part from sentencepiece: transformers 5's LlamaTokenizer drops the
+    dummy prefix ("▁") of a text that starts with a space, and of the text after a special token
+    (the chat template's BOS: Vicuna's prompt would begin "A" where FastChat's begins "▁A"), and
+    without a tokenizer_config.json it adds no BOS. So the model, normalizer, pre-tokenizer and
+    decoder are rebuilt from the .model's own settings (transformers' `build_tokenizer_from_spm_proto`,
+    in its legacy mode: each text between special tokens encodes exactly as
+    `SentencePieceProcessor.encode` encodes it, as transformers 4 and FastChat encoded Vicuna's
+    prompts; a tokenizer_config.json's `legacy: false` is not followed), and BOS goes first, as
+    Llama's tokenizer puts it, unless tokenizer_config.json says `add_bos_token: false`. The ids are
+    the .model's and added tokens stay as they are, so nothing else changes. True when rebuilt;
+    False (the tokenizer as loaded) for a directory with a tokenizer.json, a `tokenizer.model` that
+    is no BPE or unigram sentencepiece model (a tiktoken file), or a transformers without the builder."""
+    model_file = path / "tokenizer.model"
+    if (path / "tokenizer.json").exists() or not model_file.is_file():
+        return False
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    backend = getattr(inner, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    try:
+        from transformers.convert_slow_tokenizer import SentencePieceExtractor, SpmConverter
+
+        proto = SentencePieceExtractor(str(model_file)).proto
+        kind = proto.trainer_spec.model_type  # 1 unigram, 2 BPE (3 word, 4 char: left as loaded)
+        if kind not in (1, 2) or not proto.pieces:
+            return False
+        if kind == 1:
+            vocab = [(piece.piece, piece.score) for piece in proto.pieces]
+        else:
+            vocab = {piece.piece: i for i, piece in enumerate(proto.pieces)}
+        built = SpmConverter.build_tokenizer_from_spm_proto(proto=proto, vocab=vocab, legacy=True)
+    except Exception:
+        return False
+    if built is None:
+        return False
+    backend.model = built.model
+    backend.normalizer = built.normalizer
+    backend.pre_tokenizer = built.pre_tokenizer
+    backend.decoder = built.decoder
+    settings = {}
+    try:
+        settings = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        pass
+    add_bos = settings.get("add_bos_token", True) if isinstance(settings, dict) else True
+    if add_bos and proto.trainer_spec.bos_id >= 0 and not getattr(inner, "add_bos_token", True):
+        inner.add_bos_token = True  # rebuilds the post-processor around the tokenizer's bos_token
+    return True

@@ -25,7 +25,8 @@ from .torch_checkpoint import TorchCheckpoint
 TORCH_INDEX = "pytorch_model.bin.index.json"
 TORCH_SINGLE = "pytorch_model.bin"
 INDEX = "model.safetensors.index.json"
-COPIED = ("*.json", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja")  # as download_repo fetches
+COPIED = ("*.json", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja", "README.md")  # as download_repo fetches
+# (the card: an official APAR checkpoint whose tokenizer lacks its two control tokens is known by it)
 DTYPES = ("float16", "bfloat16", "float32", "as-is")
 
 
@@ -56,23 +57,25 @@ def torch_shards(src: Path) -> List[Tuple[str, Optional[List[str]]]]:
     return []
 
 
-def cache_dir_for(src: Path, dtype: str = "float16") -> Path:
-    """Where the loader keeps `src`'s conversion: named after the source's path, files, sizes and
-    times, so a changed checkpoint converts anew."""
+def cache_dir_for(src: Path, dtype: str = "float16", name: Optional[str] = None) -> Path:
+    """Where the loader keeps `src`'s conversion: named `name` (default: the directory's) and after
+    the source's path, files, sizes and times, so a changed checkpoint converts anew."""
     key = hashlib.sha256(f"{src.resolve()}\n{dtype}".encode())
-    for name in [TORCH_INDEX, TORCH_SINGLE] + [name for name, _ in torch_shards(src)]:
-        if (src / name).is_file():
-            stat = (src / name).stat()
-            key.update(f"\n{name} {stat.st_size} {stat.st_mtime_ns}".encode())
-    return home() / "models" / f"{src.name}-from-torch-{dtype}-{key.hexdigest()[:12]}"
+    for file in [TORCH_INDEX, TORCH_SINGLE] + [file for file, _ in torch_shards(src)]:
+        if (src / file).is_file():
+            stat = (src / file).stat()
+            key.update(f"\n{file} {stat.st_size} {stat.st_mtime_ns}".encode())
+    return home() / "models" / f"{name or src.name}-from-torch-{dtype}-{key.hexdigest()[:12]}"
 
 
-def converted_torch_dir(src: Path, dtype: str = "float16", progress: bool = True) -> Path:
+def converted_torch_dir(src: Path, dtype: str = "float16", progress: bool = True,
+                        name: Optional[str] = None) -> Path:
     """`src` itself when it has safetensors weights or no PyTorch checkpoint; otherwise its MLX
-    conversion in the cache, made on first use."""
+    conversion in the cache, made on first use (`name`: the conversion's name, for a downloaded
+    snapshot whose directory is a commit hash)."""
     if any(src.glob("*.safetensors")) or not torch_shards(src):
         return src
-    out = cache_dir_for(src, dtype)
+    out = cache_dir_for(src, dtype, name)
     if not (out / INDEX).is_file():
         if progress:
             _stderr(f"Converting the PyTorch checkpoint in {src} -> {out} ({dtype}, once)...")
