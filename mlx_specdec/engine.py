@@ -73,6 +73,7 @@ class Engine:
         (a second method would skip its prefill)."""
         self.lm = lm
         self.drafter_spec = drafter
+        self.remember_auto = False  # Engine.load: `auto` reads and writes its measurements' store
         self.apar_adapter_spec = apar_adapter
         self._resources: Dict[str, object] = {}
         self.draft_model = draft_model
@@ -94,6 +95,7 @@ class Engine:
         engine = cls(lm, drafter, apar_adapter,
                      load_model(draft_model, dtype=lm.dtype, dequantize=dequantize) if draft_model else None,
                      reuse_prefix=reuse_prefix)
+        engine.remember_auto = True  # `auto`'s measurements kept across processes (auto.py)
         if drafter not in (None, "auto"):
             engine.drafter  # load now: a mismatched head is reported before anything runs
         if apar_adapter not in (None, "auto"):
@@ -199,9 +201,10 @@ class Engine:
     def chooser(self):
         """`--method auto`'s chooser: what this engine measured, per band (auto.py)."""
         if "chooser" not in self._resources:
-            from .auto import MethodChooser
+            from .auto import MethodChooser, store_path
 
-            self._resources["chooser"] = MethodChooser(self.verify_costs, self.drafter is not None)
+            store = store_path(self.lm, self.drafter_spec) if self.remember_auto else None
+            self._resources["chooser"] = MethodChooser(self.verify_costs, self.drafter is not None, store)
         return self._resources["chooser"]
 
     def choose_method(self, prompt_ids: List[int], params: Optional[GenerationParams] = None,
@@ -228,7 +231,8 @@ class Engine:
                     if choice is not None:
                         event.stats.extra["auto"] = choice.as_dict()
                     self.chooser.record(method, prompt_tokens, params.greedy, event.stats.decode_tps,
-                                        event.stats.generated_tokens)
+                                        event.stats.generated_tokens,
+                                        event.stats.extra.get("acceptance_per_position"))
                 yield event
         finally:
             events.close()  # stopped early: the strategy's `finally` runs now (its cache rolls back)
@@ -236,7 +240,8 @@ class Engine:
     def record_alone(self, method: str, prompt_tokens: int, params: GenerationParams, stats) -> None:
         """An answer that decoded alone, for `auto`'s measured rates (the server's batch rows)."""
         if method in ("ar", "redrafter"):
-            self.chooser.record(method, prompt_tokens, params.greedy, stats.decode_tps, stats.generated_tokens)
+            self.chooser.record(method, prompt_tokens, params.greedy, stats.decode_tps, stats.generated_tokens,
+                                stats.extra.get("acceptance_per_position"))
 
     def method_support(self) -> Dict[str, Optional[str]]:
         """Per method: None where this model can run it, else why not (one line). Loads the

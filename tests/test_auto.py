@@ -27,7 +27,12 @@ def test_before_any_answer_the_verify_cost_table_predicts():
     dear = MethodChooser(DEAR, True)
     assert dear.choose(200, False).method == "ar"
     measure(dear, "ar", 20.0)
-    assert dear.choose(200, False).method == "ar"  # a clear predicted loss is never tried
+    assert dear.choose(200, False).method == "redrafter"  # the second answer tries the other
+    measure(dear, "redrafter", 12.0)
+    assert dear.choose(200, False).method == "ar"  # measured slower: plain decoding from now on
+    # another band of the same sampling: the loss measured above is predicted there too
+    measure(dear, "ar", 18.0, prompt=2000)
+    assert dear.choose(2000, False).method == "ar"
     unknown = MethodChooser(None, True)  # no table: plain decoding first, then one try
     assert unknown.choose(200, True).method == "ar"
     measure(unknown, "ar", 20.0, greedy=True)
@@ -44,7 +49,8 @@ def test_once_both_are_measured_the_faster_wins_and_a_tie_is_ar_s():
     measure(chooser, "ar", 19.0 / MARGIN * 1.001, times=7)  # within the margin: ar
     assert chooser.choose(200, False).method == "ar"
     assert chooser.choose(200, True).method == "redrafter"  # greedy is its own band, unmeasured
-    assert chooser.choose(5000, False).method == "redrafter"  # so is a long prompt
+    long = chooser.choose(5000, False)  # so is a long prompt: predicted from the tie measured above
+    assert long.method == "ar" and "other measurements" in long.why
 
 
 def test_a_busy_server_and_short_answers():
@@ -52,6 +58,29 @@ def test_a_busy_server_and_short_answers():
     assert chooser.choose(200, True, busy=True).method == "ar"
     chooser.record("redrafter", 200, True, 50.0, tokens=3)  # too short to say anything
     assert not chooser.rates[("redrafter", True, band_of(200))]
+
+
+def test_what_a_machine_measured_is_kept_across_processes(tmp_path):
+    store = tmp_path / "auto.json"
+    first = MethodChooser(CHEAP, True, store)
+    measure(first, "ar", 15.0)
+    measure(first, "redrafter", 10.0)
+    first.record("redrafter", 200, False, 10.0, tokens=96, acceptance=[0.2, 0.05])
+    again = MethodChooser(CHEAP, True, store)  # a new process
+    assert again.choose(200, False).method == "ar"
+    assert again.acceptance[False] == [0.2, 0.05]
+    store.write_text("{not json")
+    assert MethodChooser(CHEAP, True, store).choose(200, False).method == "redrafter"  # unreadable: the prior
+
+
+def test_the_prior_takes_this_machine_s_acceptance_and_step_overhead():
+    chooser = MethodChooser(CHEAP, True)
+    prior = chooser.predicted_speedup(300, True)
+    chooser.record("redrafter", 300, True, 30.0, tokens=96, acceptance=[0.9, 0.8, 0.7, 0.6, 0.5])
+    assert chooser.predicted_speedup(300, True) > prior  # likelier drafts: more tokens a step
+    measure(chooser, "ar", 20.0, greedy=True, prompt=300)  # measured 1.5x in the short band
+    assert chooser.predicted_speedup(300, True) == pytest.approx(1.5)
+    assert chooser.predicted_speedup(6000, True) < 1.5 + 1e-9  # a dearer verify at a long context
 
 
 def test_the_shipped_cpu_table_predicts_speculation_pays_on_a_short_prompt():
