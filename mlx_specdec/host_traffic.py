@@ -89,6 +89,7 @@ class Tally:
     def __init__(self):
         if COUNTS.idle_since is not None:  # idle before this answer is not its own
             COUNTS.idle_since = time.perf_counter()
+        COUNTS.queued.clear()  # work an earlier answer queued and never read (its last step) is not pending
         self.reads, self.uploads, self.idle_s = COUNTS.reads, COUNTS.uploads, COUNTS.idle_s
         self.shapes = set(COUNTS.shapes)
         self.seen: Set[Tuple[int, ...]] = set()

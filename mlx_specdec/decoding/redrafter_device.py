@@ -73,7 +73,7 @@ def bucketed(table: Optional[CostTable]) -> Optional[CostTable]:
     width they are padded to does, so the planner fills a bucket it pays for anyway."""
     if table is None:
         return None
-    widths = range(1, VERIFY_WIDTHS[-1] + 1)
+    widths = range(1, 4 * VERIFY_WIDTHS[-1] + 1)  # past the table, `cost_of` extends its last step
     costs = np.array([[cost_of(row, verify_width(t)) for t in widths] for row in table.costs])
     return table._replace(costs=costs, source=table.source + ", by verify width")
 
