@@ -75,18 +75,14 @@ def _load_safetensors(files) -> Dict[str, np.ndarray]:
 
 
 def _load_bin(files) -> Dict[str, np.ndarray]:
-    try:
-        import torch
-    except ImportError:
-        raise UserError(f"{files[0]} is a PyTorch checkpoint and torch is not installed: convert it to "
-                        "safetensors first (transformers: save_pretrained(..., safe_serialization=True))") from None
+    """PyTorch checkpoints through the allow-listed reader (model/torch_checkpoint.py): tensors
+    only, no torch needed, nothing in the pickle run."""
+    from ..model.torch_checkpoint import load_torch_checkpoint
+
     out = {}
     for f in files:
-        try:
-            state = torch.load(str(f), map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise UserError(f"corrupt drafter weights {f}: {type(exc).__name__}") from None
-        out.update({k: v.float().numpy() for k, v in state.items()})
+        state = load_torch_checkpoint(f)  # a refusal or a corrupt file: one line (a UserError)
+        out.update({k: np.array(v.astype(mx.float32)) for k, v in state.items()})
     return out
 
 
