@@ -26,7 +26,8 @@ step lengths T of (1 + the drafts expected to be accepted) / (the verify-cost ta
 tokens × a step's overhead), the acceptance by depth and the overhead taken from this machine's
 measurements (the acceptance of its last redrafter answers; the overhead that makes a measured
 band's prediction match its measured ratio) where there are any, else the shipped head's
-(PRIOR_ACCEPTANCE, DRAFT_OVERHEAD). Without a table (a machine no one calibrated) it is unknown
+(PRIOR_ACCEPTANCE; the step's fixed cost measured on this device, drafting/step_cost.py, else
+DRAFT_OVERHEAD). Without a table (a machine no one calibrated) it is unknown
 and `ar` goes first.
 """
 
@@ -92,8 +93,10 @@ class MethodChooser:
     """Thread-safe: the server's request threads choose while its generation thread records.
     store: a JSON file the measurements are read from and written to (None: this process only)."""
 
-    def __init__(self, table: Optional[CostTable], has_head: bool, store: Optional[Path] = None):
-        self.table, self.has_head, self.store = table, has_head, store
+    def __init__(self, table: Optional[CostTable], has_head: bool, store: Optional[Path] = None,
+                 step_overhead: Optional[float] = None):
+        """step_overhead: a draft step's fixed cost here, in one-token forwards (drafting/step_cost.py)."""
+        self.table, self.has_head, self.store, self.step_overhead = table, has_head, store, step_overhead
         self.rates: Dict[Tuple[str, bool, int], Deque[float]] = defaultdict(lambda: deque(maxlen=KEEP))
         self.acceptance: Dict[bool, List[float]] = {}  # by greedy: the last redrafter answer's, by depth
         self._lock = threading.Lock()
@@ -103,9 +106,9 @@ class MethodChooser:
 
     def _planned(self, context: int, acceptance) -> float:
         """Expected tokens per unit of verify cost at the best step length (the planner's choice)."""
-        per_t = costs_at(context, self.table)
+        per_t, fixed = costs_at(context, self.table), self.step_overhead or 0.0
         reach = np.concatenate([[1.0], np.asarray(acceptance, dtype=np.float64)])
-        return max(float(np.sum(reach[:t])) / cost_of(per_t, t) for t in range(1, len(reach) + 1))
+        return max(float(np.sum(reach[:t])) / (cost_of(per_t, t) + fixed) for t in range(1, len(reach) + 1))
 
     def _acceptance(self, greedy: bool):
         return self.acceptance.get(greedy) or PRIOR_ACCEPTANCE[greedy]
@@ -125,7 +128,7 @@ class MethodChooser:
         """redrafter over ar as its planner would get it here; None without a table."""
         if self.table is None:
             return None
-        overhead = self._measured_overhead(greedy) or DRAFT_OVERHEAD
+        overhead = self._measured_overhead(greedy) or (1.0 if self.step_overhead else DRAFT_OVERHEAD)
         return self._planned(prompt_tokens, self._acceptance(greedy)) / overhead
 
     # -- the choice --------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ Everything the CLI, the bench and the chat app do goes through `Engine.generate`
 
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Union
 
@@ -180,10 +182,27 @@ class Engine:
         if method == "redrafter":
             resources["drafter"] = self.drafter_for(params.options.get("drafter") if params else None)
             resources["verify_costs"] = self.verify_costs
+            resources["step_overhead"] = self.step_overhead(resources["drafter"])
             resources["draft_model"] = self.draft_model
         if method == "triforce":  # for --bottom redrafter / model
             resources.update(drafter=self.drafter, draft_model=self.draft_model)
         return resources
+
+    def step_overhead(self, head) -> Optional[float]:
+        """A draft step's fixed cost with this head, in one-token forwards (drafting/step_cost.py):
+        stored for this machine, else measured at first use off the CPU, else None."""
+        key = ("step_overhead", id(head))
+        if key not in self._resources:
+            from .decoding.redrafter import DEFAULT_BEAM_LENGTH, DEFAULT_RUNNERS_UP, DEFAULT_RUNNERS_UP_DEPTHS
+            from .drafting.cost_probe import NO_FIRST_USE_ENV
+            from .drafting.step_cost import step_overhead_for
+            from .model.device import on_cpu
+
+            measure = not on_cpu() and not os.environ.get(NO_FIRST_USE_ENV)
+            self._resources[key] = step_overhead_for(
+                self.lm, head, str(self.drafter_spec or "none"), DEFAULT_BEAM_LENGTH, DEFAULT_RUNNERS_UP,
+                DEFAULT_RUNNERS_UP_DEPTHS, measure) if head is not None else None
+        return self._resources[key]
 
     @property
     def sampling_defaults(self):
@@ -204,7 +223,8 @@ class Engine:
             from .auto import MethodChooser, store_path
 
             store = store_path(self.lm, self.drafter_spec) if self.remember_auto else None
-            self._resources["chooser"] = MethodChooser(self.verify_costs, self.drafter is not None, store)
+            self._resources["chooser"] = MethodChooser(self.verify_costs, self.drafter is not None, store,
+                                                       self.step_overhead(self.drafter))
         return self._resources["chooser"]
 
     def choose_method(self, prompt_ids: List[int], params: Optional[GenerationParams] = None,

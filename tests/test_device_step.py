@@ -12,6 +12,7 @@ from mlx_specdec import masks
 from mlx_specdec.acceptance import target_probs
 from mlx_specdec.decoding import GenerationParams
 from mlx_specdec.decoding.redrafter_device import DeviceLoop, beam_width, verify_width
+from mlx_specdec.drafting.verify_cost import CostTable
 
 from conftest import make_tiny_lm
 from test_redrafter import PROMPTS, engine_with, oracle_head, random_head, run, run_batch
@@ -129,3 +130,28 @@ def test_a_node_s_own_token_is_the_target_s_sample_with_and_without_the_quick_nu
         observed = np.array([np.isin(tokens[:, node], b).sum() for b in bins])
         assert observed.sum() == draws  # never a token outside the nucleus
         assert ((observed - expected) ** 2 / expected).sum() < chi_square_threshold(len(bins) - 1)
+
+
+def test_a_step_s_fixed_cost_is_measured_kept_and_planned_with(tmp_path, monkeypatch):
+    from mlx_specdec.drafting.step_cost import measure_step_overhead, step_overhead_for
+    from mlx_specdec.decoding.redrafter_device import bucketed
+    from mlx_specdec.drafting.verify_cost import cost_of, costs_at, shipped_table, worth_verifying
+
+    monkeypatch.setenv("MLX_SPECDEC_HOME", str(tmp_path))
+    lm = make_tiny_lm(seed=1, eos_id=96)
+    head = random_head(lm, seed=1)
+    assert measure_step_overhead(lm, head, 6, 2, 2, rounds=3) > 0
+    assert step_overhead_for(lm, head, "h", 6, 2, 2, measure=False) is None  # nothing stored, nothing measured
+    measured = step_overhead_for(lm, head, "h", 6, 2, 2, measure=True)
+    assert measured > 0 and step_overhead_for(lm, head, "h", 6, 2, 2, measure=False) == pytest.approx(measured, abs=1e-4)
+
+    plain, fixed = costs_at(150, bucketed(shipped_table())), costs_at(150, bucketed(shipped_table(), 2.0))
+    assert [cost_of(fixed, t) - cost_of(plain, t) for t in (1, 3, 9)] == pytest.approx([2.0] * 3)
+    # drafts each 0.9 likely: 4 query tokens are worth most per cost alone, but a step that pays
+    # 2 forwards' worth whatever it verifies takes 8
+    probs = np.full((1, 1, 8), 0.9)
+    owner = np.zeros((1, 1, 9), dtype=np.int64)
+    steep = CostTable(np.array([150.0]), np.array([[1.0 + 0.4 * t for t in range(8)]]), "steep")
+    shallow = worth_verifying(probs, owner, 9, 150, table=bucketed(steep))
+    deep = worth_verifying(probs, owner, 9, 150, table=bucketed(steep, 2.0))
+    assert (shallow, deep) == (4, 8)

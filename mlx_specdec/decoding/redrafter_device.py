@@ -68,21 +68,24 @@ def _accept(beams: mx.array, own: mx.array, index: mx.array, hidden: mx.array):
     return (*result, mx.take_along_axis(hidden, last[..., None], axis=1)[:, 0])
 
 
-def bucketed(table: Optional[CostTable]) -> Optional[CostTable]:
+def bucketed(table: Optional[CostTable], step_overhead: float = 0.0) -> Optional[CostTable]:
     """The verify-cost table as the device step pays it: T query tokens cost what the verify
-    width they are padded to does, so the planner fills a bucket it pays for anyway."""
+    width they are padded to does (so the planner fills a bucket it pays for anyway), plus the
+    step's fixed cost (drafting/step_cost.py), which every step pays whatever its width."""
     if table is None:
         return None
     widths = range(1, 4 * VERIFY_WIDTHS[-1] + 1)  # past the table, `cost_of` extends its last step
-    costs = np.array([[cost_of(row, verify_width(t)) for t in widths] for row in table.costs])
-    return table._replace(costs=costs, source=table.source + ", by verify width")
+    costs = np.array([[cost_of(row, verify_width(t)) + step_overhead for t in widths] for row in table.costs])
+    fixed = f" + {step_overhead:.2f} a step" if step_overhead else ""
+    return table._replace(costs=costs, source=f"{table.source}, by verify width{fixed}")
 
 
 class DeviceLoop(RedrafterLoop):
     """`RedrafterLoop` with the step of this module's docstring (redrafter.py chooses it)."""
 
     def __init__(self, ctx, s: Settings, sources, vocab: int):
-        super().__init__(ctx, dataclasses.replace(s, cost_table=bucketed(s.cost_table)), sources, vocab)
+        table = bucketed(s.cost_table, ctx.resources.get("step_overhead") or 0.0)
+        super().__init__(ctx, dataclasses.replace(s, cost_table=table), sources, vocab)
         self.head.whole_chain = bool(getattr(self.head, "stepwise", False))
         self.pending: List[Step] = []  # the last step's tokens, yielded while the next one computes
         self.valid_dev = None  # (B, P) `valid` on the device, only while some row has holes

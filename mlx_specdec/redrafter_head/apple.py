@@ -77,6 +77,8 @@ def _load_safetensors(files) -> Dict[str, np.ndarray]:
 def _load_bin(files) -> Dict[str, np.ndarray]:
     """PyTorch checkpoints through the allow-listed reader (model/torch_checkpoint.py): tensors
     only, no torch needed, nothing in the pickle run."""
+    import mlx.core as mx
+
     from ..model.torch_checkpoint import load_torch_checkpoint
 
     out = {}
