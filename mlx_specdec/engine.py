@@ -190,18 +190,21 @@ class Engine:
 
     def step_overhead(self, head) -> Optional[float]:
         """A draft step's fixed cost with this head, in one-token forwards (drafting/step_cost.py):
-        stored for this machine, else measured at first use off the CPU, else None."""
+        off the CPU (the device step's), stored for this machine or measured at first use; else None."""
         key = ("step_overhead", id(head))
         if key not in self._resources:
+            from .model.device import on_cpu
+
+            if head is None or on_cpu():  # the CPU's host-read step drafts lazily: not planned with it
+                self._resources[key] = None
+                return None
             from .decoding.redrafter import DEFAULT_BEAM_LENGTH, DEFAULT_RUNNERS_UP, DEFAULT_RUNNERS_UP_DEPTHS
             from .drafting.cost_probe import NO_FIRST_USE_ENV
             from .drafting.step_cost import step_overhead_for
-            from .model.device import on_cpu
 
-            measure = not on_cpu() and not os.environ.get(NO_FIRST_USE_ENV)
             self._resources[key] = step_overhead_for(
                 self.lm, head, str(self.drafter_spec or "none"), DEFAULT_BEAM_LENGTH, DEFAULT_RUNNERS_UP,
-                DEFAULT_RUNNERS_UP_DEPTHS, measure) if head is not None else None
+                DEFAULT_RUNNERS_UP_DEPTHS, measure=not os.environ.get(NO_FIRST_USE_ENV))
         return self._resources[key]
 
     @property

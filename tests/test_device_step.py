@@ -155,3 +155,17 @@ def test_a_step_s_fixed_cost_is_measured_kept_and_planned_with(tmp_path, monkeyp
     shallow = worth_verifying(probs, owner, 9, 150, table=bucketed(steep))
     deep = worth_verifying(probs, owner, 9, 150, table=bucketed(steep, 2.0))
     assert (shallow, deep) == (4, 8)
+
+
+def test_on_a_gpu_auto_takes_the_device_step_and_writes_plain_decoding_s_answer(fake_cuda_gpu, monkeypatch):
+    """With MLX's CUDA rules (a verify's keys read to a bucket under one mask), the default step
+    is the device step; every row of a batch writes its greedy answer and one read a step."""
+    from mlx_specdec.drafting import cost_probe
+
+    monkeypatch.setenv(cost_probe.NO_FIRST_USE_ENV, "1")
+    lm = make_tiny_lm(seed=3, eos_id=96)
+    engine = engine_with(lm, oracle_head(lm, PROMPTS, corrupt=0.3))
+    want = run(engine, PROMPTS[1], "ar", max_tokens=40)[0]
+    got, stats = run(engine, PROMPTS[1], "redrafter", max_tokens=40)
+    assert got == want and stats.extra["syncs_per_step"] == 1.0
+    assert batch_answers(engine, PROMPTS, max_tokens=30) == [run(engine, p, "ar", max_tokens=30)[0] for p in PROMPTS]

@@ -66,7 +66,29 @@ def cmd_calibrate(args) -> int:
     path = save_table(lm, table, args.rounds)
     print_table(table.contexts, table.costs, f"{lm.describe()}, median of {args.rounds}")
     print(f"wrote {path}: redrafter uses it on this machine from now on", file=sys.stderr)
+    measure_draft_step(engine)
     return 0
+
+
+def measure_draft_step(engine) -> None:
+    """The shipped head's draft step beside the table (drafting/step_cost.py), where there is one
+    and the device step plans with it (off the CPU)."""
+    from ..model.device import on_cpu
+
+    if on_cpu():
+        return
+    from ..decoding.redrafter import DEFAULT_BEAM_LENGTH, DEFAULT_RUNNERS_UP, DEFAULT_RUNNERS_UP_DEPTHS
+    from ..drafting.cost_probe import table_path
+    from ..drafting.step_cost import measure_step_overhead, overhead_path, save_step_overhead
+
+    head = engine.drafter_for("auto")
+    if head is None:
+        return
+    value = measure_step_overhead(engine.lm, head, DEFAULT_BEAM_LENGTH, DEFAULT_RUNNERS_UP, DEFAULT_RUNNERS_UP_DEPTHS)
+    path = overhead_path(table_path(engine.lm), "auto")
+    save_step_overhead(path, value, DEFAULT_BEAM_LENGTH, DEFAULT_RUNNERS_UP)
+    print(f"a draft step (the head's whole chain and its read) costs {value:.2f} one-token forwards here: {path}",
+          file=sys.stderr)
 
 
 def remeasure_layout(lm, rounds: int) -> None:

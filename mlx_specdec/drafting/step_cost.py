@@ -78,10 +78,14 @@ def step_overhead_for(lm, head, head_name: str, length: int, runners_up: int, ru
     except (RuntimeError, ValueError, MemoryError) as error:  # a device that cannot: plan without it
         print(f"warning: could not measure the draft step's cost ({error})", file=sys.stderr)
         return None
+    save_step_overhead(path, value, length, runners_up)
+    return value
+
+
+def save_step_overhead(path: Path, value: float, length: int, runners_up: int) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"step_overhead": round(value, 4), "context": CONTEXT, "length": length,
                                     "runners_up": runners_up}, indent=1))
-    except OSError:
+    except OSError:  # a read-only cache: measured again next time
         pass
-    return value
