@@ -26,6 +26,8 @@ from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
+from .host_traffic import read_host
+
 _TINY = 1e-20  # guards p/q and the residual's normaliser against 0/0
 
 
@@ -79,8 +81,8 @@ def sample_top_nucleus(logprobs: mx.array, temperature: float, top_p: float, ful
     of the logits alone, never of the draw, so the result is a draw from the same distribution."""
     cut, valid = top_nucleus(logprobs, top_p)
     tokens = mx.random.categorical(cut * (1.0 / temperature))
-    mx.eval(tokens, valid)  # deliberate sync: valid decides the rule
-    return tokens if bool(valid.all()) else full(logprobs)
+    _, held = read_host(tokens, valid)  # deliberate sync: valid decides the rule
+    return tokens if bool(held.all()) else full(logprobs)
 
 
 def target_probs(logits: mx.array, temperature: float, top_p: float = 1.0) -> mx.array:
