@@ -26,7 +26,6 @@ during is rolled back (`close`). The counts are in every answer's stats (`syncs_
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Iterator, List, Optional
 
 import mlx.core as mx
@@ -126,13 +125,7 @@ class DeviceLoop(RedrafterLoop):
     # -- the step --------------------------------------------------------------------------------
 
     def step(self) -> Iterator[Step]:
-        self.select_rows()
-        self._t0 = time.perf_counter()
-        plan = self.plan()
-        tree = self.pack(plan)
-        self.mark("pack_s")
-        out = self.verify(tree)
-        self.mark("verify_s", out.logits)
+        plan, tree, out = self.planned_verify()
         length = tree.device_beams.shape[-1]
         result, hidden = self.accept(tree, length, out)
         self.mark("accept_s", result, hidden)

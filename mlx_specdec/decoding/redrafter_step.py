@@ -116,13 +116,7 @@ class RedrafterLoop:
         self.source = np.full(rows, self.fallback)  # per prompt, as `keep` indexes them
 
     def step(self) -> Iterator[Step]:
-        self.select_rows()
-        self._t0 = time.perf_counter()
-        plan = self.plan()
-        tree = self.pack(plan)
-        self.mark("pack_s")
-        out = forward(self.model, tree.tokens, self.cache, positions=tree.positions, mask=tree.mask)  # verify
-        self.mark("verify_s", out.logits)
+        plan, tree, out = self.planned_verify()
         result, hidden = self.accept(tree, plan.step_length, out)
         self.mark("accept_s", result, hidden)
         read = self.draft(tree, plan.step_length, result, hidden)
@@ -135,6 +129,20 @@ class RedrafterLoop:
                        accepted=int(read.accepted[b]))
         self.rows, self.keep = drop_finished_rows(self.rows, new_tokens, self.emitted, self.ctx.lm.eos_token_ids,
                                                   self.params.max_tokens, self.ctx.stopped_rows)
+
+    def planned_verify(self):
+        """The step's first parts: rows that finished leave, plan, pack, verify -> (plan, tree, out)."""
+        self.select_rows()
+        self._t0 = time.perf_counter()
+        plan = self.plan()
+        tree = self.pack(plan)
+        self.mark("pack_s")
+        out = self.verify(tree)
+        self.mark("verify_s", out.logits)
+        return plan, tree, out
+
+    def verify(self, tree: Tree):
+        return forward(self.model, tree.tokens, self.cache, positions=tree.positions, mask=tree.mask)
 
     def select_rows(self) -> None:
         """Rows that finished leave the batch: their cache rows, their state and their drafts."""
