@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from ..errors import UserError
+from ..synthetic_shapes import add_synthetic_args
 from .args import METHODS_HELP, _add_method_args, _add_model_args, _comma_list, load_engine, method_grids
 from .pipeline import PIPELINE_METHODS, add_pipeline_args
 
@@ -45,6 +46,7 @@ def add_parser(sub) -> None:
     p.add_argument("--plot", default=None, metavar="PATH.png",
                    help="also draw decode tok/s and speed-up over ar per method and prompt category (matplotlib)")
     add_pipeline_args(p)
+    add_synthetic_args(p)
     p.set_defaults(func=cmd_bench)
 
 
@@ -52,6 +54,10 @@ FORMATS = ("md", "json", "csv")
 
 
 def cmd_bench(args) -> int:
+    if args.synthetic:  # a random model of a named shape instead of prompts (bench_synthetic.py)
+        from ..bench_synthetic_report import cmd_synthetic
+
+        return cmd_synthetic(args)
     from ..bench import expand_configs, run_bench
     from ..decoding import GenerationParams
 

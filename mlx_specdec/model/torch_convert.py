@@ -130,10 +130,10 @@ def convert_torch_dir(src, out, dtype: str = "float16", progress: bool = True,
     os.replace(staging, out / INDEX)  # last: the directory is complete
     shutil.rmtree(partial, ignore_errors=True)
     if progress:  # one shard held at a time: the peak is about the largest shard, not the model
-        from ..decoding.base import peak_memory_mb
+        import mlx.core as mx
 
-        log(f"{src.name}: {count} shard(s), {total / 1e9:.2f} GB written; peak resident memory "
-            f"{peak_memory_mb():.0f} MB")
+        log(f"{src.name}: {count} shard(s), {total / 1e9:.2f} GB written; peak MLX memory "
+            f"{mx.get_peak_memory() / 1e6:.0f} MB")
     return out
 
 
