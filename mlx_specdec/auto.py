@@ -49,7 +49,7 @@ MARGIN = 1.03  # redrafter's median rate must beat ar's by this factor to be cho
 LOSES = 0.9  # a ratio measured below this elsewhere, and predicted here: redrafter is not tried
 KEEP = 7  # latest answers per band whose rates are kept (the median of these decides)
 # The shipped head's acceptance by depth (the fraction of steps accepting at least k drafts) on
-# held-out chats, greedy and sampled (benchmarks/results/issue53_cpu/): the prior until this
+# held-out chats, greedy and sampled (docs/decisions.md): the prior until this
 # machine has measured its own.
 PRIOR_ACCEPTANCE = {True: (0.63, 0.26, 0.09, 0.03, 0.01), False: (0.55, 0.2, 0.06, 0.02, 0.005)}
 DRAFT_OVERHEAD = 1.25  # a step's drafting and host work on top of its verify, until measured

@@ -113,6 +113,6 @@ def markdown(result: dict) -> str:
                 f"{inputs['compute_efficiency']} of compute; acceptance measured on the default model "
                 f"(ReDrafter {list(inputs['redrafter_acceptance'])} by depth, APAR {inputs['apar_tokens_per_step']} "
                 f"tokens a step, TriForce middle level {inputs['triforce_acceptance']}, g {inputs['triforce_gamma']}). "
-                "4-bit cells: in brackets with few-row 4-bit matmuls costing as ml-explore/mlx#3839 measured. "
+                "4-bit cells: in brackets with few-row 4-bit matmuls costing as measured upstream (docs/benchmarking.md). "
                 "The model: mlx_specdec/gpu_prediction.py.", "", prediction_table(prediction["rows"])]
     return "\n".join(out)

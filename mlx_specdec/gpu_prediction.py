@@ -7,8 +7,8 @@ model on Apple GPUs, from a bandwidth model and the acceptance measured on the d
                                + the float16 KV of C tokens (2 * layers * hidden * 2 bytes a token)
                     flops(T, C) = 2 * params * T + 4 * layers * hidden * C * T
     4-bit, few rows optionally: the weights' bytes times the cost of an m-row 4-bit matmul over a
-                    one-row one (1.2 / 1.4 / 2.05 at m = 2 / 4 / 7: ml-explore/mlx#3839, MLX 0.32
-                    qmv_wide on an M4 Pro; linear between, the last slope beyond 7)
+                    one-row one (1.2 / 1.4 / 2.05 at m = 2 / 4 / 7, an upstream measurement on an M4 Pro
+                    cited in docs/benchmarking.md; linear between, the last slope beyond 7)
     ReDrafter       (1 + a_1 + ... + a_d) t(1, C) / (t(d + 1, C) + d * head bytes / (BW * 0.75)),
                     a_i: the default model's acceptance at draft depth i, the head read once a depth
                     in float32 (load_drafter loads every head so), d = 5 by default
@@ -41,9 +41,9 @@ FEW_ROW_4BIT = ((1, 1.0), (2, 1.2), (4, 1.4), (7, 2.05))
 PRECISIONS = {"4-bit": QUANT_BITS_PER_PARAM, "f16": 16.0}
 
 # the default model's figures (benchmarks/results/README.md)
-REDRAFTER_ACCEPTANCE = (0.588, 0.23, 0.102, 0.054, 0.018)  # issue18_stop44_final_unseen96.md: 2.0 tokens a forward
+REDRAFTER_ACCEPTANCE = (0.588, 0.23, 0.102, 0.054, 0.018)  # the shipped head's, unseen chats: 2.0 tokens a forward (docs/benchmarking.md)
 APAR_TOKENS_PER_STEP = 1.579  # cpu_layout_apar_list8.md (8 list prompts, 5.1 threads when forked)
-TRIFORCE_ACCEPTANCE = {"measured 2K/4K": 0.65, "quoting 6K": 0.80}  # issue16_summary.md: 0.63 / 0.68; 0.80
+TRIFORCE_ACCEPTANCE = {"measured 2K/4K": 0.65, "quoting 6K": 0.80}  # measured and quoted figures (docs/benchmarking.md)
 TRIFORCE_GAMMA = 6
 CHAT_CONTEXT = 2048
 
