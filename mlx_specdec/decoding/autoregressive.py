@@ -48,11 +48,11 @@ def autoregressive(ctx: DecodeContext) -> Iterator[Step]:
             value = read_scalar(token)  # host sync (one per token), overlapped with `following`
             ctx.stats.forward_passes += 1  # the forward that produced `value`
             traffic.verify((1, 1))
-            ctx.stats.extra.update(traffic.figures())
             yield Step([value])
             if value in eos:
                 return
             token = following
     finally:
+        ctx.stats.extra.update(traffic.figures())  # once, not per token
         mx.eval(cache.state)  # settle the queued step
         keep_prefix(ctx, cache, ctx.prompt[:-1])  # the next chat turn may resume from the prompt
