@@ -33,8 +33,6 @@ and `ar` goes first.
 
 from __future__ import annotations
 
-import json
-import os
 import threading
 from collections import defaultdict, deque
 from pathlib import Path
@@ -43,6 +41,7 @@ from typing import Deque, Dict, List, NamedTuple, Optional, Tuple
 import numpy as np
 
 from .drafting.verify_cost import CostTable, cost_of, costs_at
+from .jsonstore import measured_path, read_json, write_json
 
 CANDIDATES = ("ar", "redrafter")
 MARGIN = 1.03  # redrafter's median rate must beat ar's by this factor to be chosen
@@ -70,11 +69,8 @@ def join_spec_rows() -> int:
 def store_path(lm, head: Optional[str]) -> Path:
     """Where `auto`'s measurements for this model, head and machine are kept: beside the
     verify-cost table (drafting/cost_probe.py)."""
-    from .drafting.cost_probe import table_path
-
-    table = table_path(lm)
     name = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(str(head or "none")).name)
-    return table.with_name(f"{table.stem}-auto-{name}.json")
+    return measured_path(lm, f"auto-{name}")
 
 
 class Choice(NamedTuple):
@@ -181,7 +177,7 @@ class MethodChooser:
 
     def _load(self) -> None:
         try:
-            data = json.loads(self.store.read_text()) if self.store is not None and self.store.exists() else {}
+            data = read_json(self.store)
             for key, values in data.get("rates", {}).items():
                 method, greedy, band = key.split("|")
                 self.rates[(method, greedy == "greedy", int(band))].extend(float(v) for v in values[-KEEP:])
@@ -192,15 +188,7 @@ class MethodChooser:
             self.acceptance = {}
 
     def _save(self) -> None:
-        if self.store is None:
-            return
-        data = {"rates": {f"{m}|{'greedy' if g else 'sampled'}|{b}": [round(v, 3) for v in values]
-                          for (m, g, b), values in self.rates.items() if values},
-                "acceptance": {"greedy" if g else "sampled": values for g, values in self.acceptance.items()}}
-        try:
-            self.store.parent.mkdir(parents=True, exist_ok=True)
-            partial = self.store.with_suffix(".partial")
-            partial.write_text(json.dumps(data, indent=1))
-            os.replace(partial, self.store)
-        except OSError:  # a read-only cache: this process still remembers
-            pass
+        write_json(self.store, {
+            "rates": {f"{m}|{'greedy' if g else 'sampled'}|{b}": [round(v, 3) for v in values]
+                      for (m, g, b), values in self.rates.items() if values},
+            "acceptance": {"greedy" if g else "sampled": values for g, values in self.acceptance.items()}})

@@ -17,6 +17,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Union
 from .cache.prefix import PrefixStore
 from .decoding import STRATEGIES, Event, GenerationParams, stream_events
 from .decoding.batch import stream_batch
+from .engine_measured import MeasuredMixin
 from .settings import METHODS
 from .errors import UserError
 from .model.loader import LoadedModel, load_model
@@ -64,7 +65,7 @@ def check_same_tokenizer(lm: LoadedModel, draft: LoadedModel) -> None:
                         f"({rows[1]} vs {rows[0]} token embeddings)")
 
 
-class Engine:
+class Engine(MeasuredMixin):
     def __init__(self, lm: LoadedModel, drafter: Optional[str] = "auto",
                  apar_adapter: Optional[str] = "auto", draft_model: Optional[LoadedModel] = None,
                  reuse_prefix: Union[bool, PrefixStore] = False):
@@ -219,53 +220,6 @@ class Engine:
     def methods(self) -> List[str]:
         return list(STRATEGIES) + [AUTO]
 
-    @property
-    def chooser(self):
-        """`--method auto`'s chooser: what this engine measured, per band (auto.py)."""
-        if "chooser" not in self._resources:
-            from .auto import MethodChooser, store_path
-
-            store = store_path(self.lm, self.drafter_spec) if self.remember_auto else None
-            self._resources["chooser"] = MethodChooser(self.verify_costs, self.drafter is not None, store,
-                                                       self.step_overhead(self.drafter))
-        return self._resources["chooser"]
-
-    def choose_method(self, prompt_ids: List[int], params: Optional[GenerationParams] = None,
-                      busy: bool = False):
-        """`auto` for this request -> auto.Choice (the method and why)."""
-        params = params or GenerationParams()
-        try:
-            check_penalties("redrafter", params)
-            unsupported = None
-        except UserError as error:
-            unsupported = str(error)
-        return self.chooser.choose(len(prompt_ids), params.greedy, busy=busy, unsupported=unsupported)
-
-    def _measured(self, events: Iterator[Event], method: str, prompt_tokens: int, params: GenerationParams,
-                  choice=None) -> Iterator[Event]:
-        """Pass the events on; the finished answer's decode rate goes to the chooser, and an
-        `auto` answer's first event and its stats say what was chosen and why."""
-        choice_untold = True
-        try:
-            for event in events:
-                if choice is not None and choice_untold:
-                    event.chosen, choice_untold = choice.as_dict(), False  # shown from the start
-                if event.stats is not None and event.kind == "done":
-                    if choice is not None:
-                        event.stats.extra["auto"] = choice.as_dict()
-                    self.chooser.record(method, prompt_tokens, params.greedy, event.stats.decode_tps,
-                                        event.stats.generated_tokens,
-                                        event.stats.extra.get("acceptance_per_position"))
-                yield event
-        finally:
-            events.close()  # stopped early: the strategy's `finally` runs now (its cache rolls back)
-
-    def record_alone(self, method: str, prompt_tokens: int, params: GenerationParams, stats) -> None:
-        """An answer that decoded alone, for `auto`'s measured rates (the server's batch rows)."""
-        if method in ("ar", "redrafter"):
-            self.chooser.record(method, prompt_tokens, params.greedy, stats.decode_tps, stats.generated_tokens,
-                                stats.extra.get("acceptance_per_position"))
-
     def method_support(self) -> Dict[str, Optional[str]]:
         """Per method: None where this model can run it, else why not (one line). Loads the
         artifacts a method needs (the head, the APAR adapter): call it on the thread that decodes."""
@@ -286,8 +240,6 @@ class Engine:
         check_penalties(method, params)
         events = stream_events(self.lm_for(method), list(prompt_ids), STRATEGIES[method], params, method,
                                resources=self._resources_for(method, params))
-        if method not in ("ar", "redrafter"):
-            return events
         return self._measured(events, method, len(prompt_ids), params, choice)
 
     def joins(self, method: str, params: Optional[GenerationParams] = None) -> bool:

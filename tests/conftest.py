@@ -1,8 +1,17 @@
 import mlx_specdec  # noqa: F401  (preloads BLAS before mlx)
 
+import os
+import tempfile
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
+
+from mlx_specdec.jsonstore import MEASURED_DIR_ENV
+
+# What `auto` and the plain rate measure goes to a directory of the test run's own (inherited by
+# the CLI and server subprocesses), never into the user's cache beside the models.
+os.environ[MEASURED_DIR_ENV] = tempfile.mkdtemp(prefix="mlx-specdec-measured-")
 
 
 def make_tiny_llama(seed: int = 0, layers: int = 2, tie: bool = True, dtype=mx.float32, **overrides):

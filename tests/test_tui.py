@@ -129,6 +129,8 @@ def test_panes_follow_thread_start_and_end_events(tmp_path):
             step = 0
             while app.current is not None:
                 await until(pilot, lambda: engine.holds > step or app.current is None)
+                # every event before the hold shown (the UI drains its inbox once a frame)
+                await until(pilot, lambda: app.current is None or len(app.current.state.events) >= engine.yielded)
                 await pilot.pause(0.03)
                 if app.current is None:
                     break
@@ -376,19 +378,49 @@ def test_question_typed_while_loading_is_sent_when_ready(tmp_path):
     asyncio.run(run())
 
 
-def test_plain_speed_is_measured_once_and_cached(tmp_path):
-    async def run(engine):
-        app = ChatApp(engine=engine, db_path=tmp_path / "c.sqlite3", home=tmp_path)
-        async with app.run_test(size=(80, 24)) as pilot:
-            await until(pilot, lambda: app.engine is not None)
-            return app.baseline
+class StatingEngine(FakeEngine):
+    """A fake that warms up and states plain decoding's rate as the engine does (engine_measured.py):
+    on its first event, then in the stats at the context the answer averaged (or none)."""
 
-    first_engine, second_engine = FakeEngine(), FakeEngine()
-    assert asyncio.run(run(first_engine)) == pytest.approx(10.0)  # the fake's clock: 0.1 s a token
-    assert [c["method"] for c in first_engine.calls] == ["ar", "ar"]  # warm-up + measurement
-    assert (tmp_path / "baseline.json").exists()
-    assert asyncio.run(run(second_engine)) == pytest.approx(10.0)
-    assert second_engine.calls == []
+    def __init__(self, plain_at_done):
+        super().__init__()
+        self.plain_at_done, self.warmed = plain_at_done, []
+
+    def warm_up(self, method, params, progress):
+        progress(f"warming up {method}")
+        self.warmed.append((method, params.temperature, params.top_p))
+        return 1.5
+
+    def chat(self, messages, method="ar", params=None):
+        first = True
+        for event in super().chat(messages, method, params):
+            if first:
+                event.plain_tps, first = 4.0, False
+            if event.kind == "done" and self.plain_at_done:
+                event.stats.extra["plain_tps"] = self.plain_at_done
+            yield event
+
+
+@pytest.mark.parametrize("plain_at_done", [5.0, None])
+def test_the_speedup_is_against_the_plain_rate_the_engine_states_or_none(tmp_path, plain_at_done):
+    engine = StatingEngine(plain_at_done)
+
+    async def run():
+        app = ChatApp(engine=engine, db_path=tmp_path / "c.sqlite3", home=tmp_path, method="redrafter",
+                      settings={"temperature": 0.7, "top_p": 0.9})
+        async with app.run_test(size=(160, 24)) as pilot:
+            await until(pilot, lambda: app.engine is not None)
+            assert "warmed up in 1.5 s" in str(app.status.render())
+            await ask(pilot, "Hello there")
+            return app.last.state, str(app.status.render())
+
+    state, status = asyncio.run(run())
+    assert engine.warmed == [("redrafter", 0.7, 0.9)]  # the chat's own method and sampling, at load
+    if plain_at_done:
+        assert state.plain_tps == plain_at_done and f"vs plain {plain_at_done:.1f}" in status
+        assert state.speedup == pytest.approx(state.decode_tps / plain_at_done)
+    else:  # stated at the start, but nothing comparable at the context the answer reached
+        assert state.speedup is None and "vs plain" not in status and "plain 4.0" not in status
 
 
 def test_fork_restore_splices_children_at_their_fork_points():

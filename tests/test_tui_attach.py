@@ -284,7 +284,7 @@ def test_status_bar_shows_both_triforce_levels(tmp_path, width, want):
         app = make_app(tmp_path, baseline=10.6)
         async with app.run_test(size=(width, 24)) as pilot:
             await until(pilot, lambda: app.engine is not None)
-            app.status.show_state(triforce_state(), "triforce", 10.6, "done")
+            app.status.show_state(triforce_state(), "triforce", "done")
             await pilot.pause(0.02)
             assert str(app.status.render()) == want
             assert len(want) <= width - 2  # the bar has one column of padding each side
@@ -301,5 +301,5 @@ def test_live_triforce_status_before_the_stats_arrive():
     state.feed(Event("token", 0, None, [2, 3, 4, 5], "bcde", drafted=6, accepted=3, elapsed_s=0.4))
     from tui.widgets import StatusBar
 
-    parts = StatusBar._parts(state, "triforce", 10.0, "writing", 0)
+    parts = StatusBar._parts(state, "triforce", "writing", 0)
     assert parts[2:4] == ["2.50 tok/full fwd", "acc bottom – · middle 50%"]  # the top verify's drafts

@@ -3,6 +3,6 @@
 chat encoding and context window: `tui.documents`), so tests drive it with `tui.fake.FakeEngine`
 as well as the real engine.
 
-`tui.store`, `tui.stream`, `tui.baseline`, `tui.hints`, `tui.documents` and `tui.fake` never import
+`tui.store`, `tui.stream`, `tui.hints`, `tui.documents` and `tui.fake` never import
 Textual; `tui.app` does.
 """

@@ -99,6 +99,7 @@ class FakeEngine:
         self.finished = 0
         self.holding = threading.Event()  # set while a stream is held
         self.holds = 0  # holds entered so far
+        self.yielded = 0  # events handed to the caller so far
         self._release = threading.Event()
         self._cancelled = threading.Event()
         self._vocab_lock = threading.Lock()  # the UI thread counts tokens while a stream runs
@@ -190,6 +191,7 @@ class FakeEngine:
                         stats.accepted += ev.accepted
                         first = first if first is not None else clock["t"]
                         last = clock["t"]
+                    self.yielded += 1
                     yield ev
                 stats.forward_passes = clock["forwards"]
                 if stats.generated_tokens >= max_tokens:

@@ -21,10 +21,10 @@ class LoadProgress(Message):
 
 
 class EngineReady(Message):
-    def __init__(self, engine, baseline: Optional[float], support: Optional[dict] = None):
+    def __init__(self, engine, support: Optional[dict] = None, warm_s: float = 0.0):
         super().__init__()
         #: support: per method, None where this model can run it, else why not (Engine.method_support)
-        self.engine, self.baseline, self.support = engine, baseline, support or {}
+        self.engine, self.support, self.warm_s = engine, support or {}, warm_s
 
 
 class LoadFailed(Message):

@@ -135,10 +135,15 @@ def split_accepted(text: str, tokens: List[int], accepted: int, decode: Optional
 class StreamState:
     def __init__(self, method: str = "", decode: Optional[Decode] = None,
                  restore: Optional[Restore] = None, baseline_tps: Optional[float] = None):
+        """baseline_tps: a fixed plain speed to compare with, for an engine that states none (tests,
+        demos); the real engine states plain decoding's rate at the answer's own context and sampling
+        (`Event.plain_tps`, then `plain_tps` in the stats), or nothing where it has not measured one."""
         self.method = method
         self.decode = decode
         self.restore = restore or fork_restore
         self.baseline_tps = baseline_tps
+        self._plain: Optional[float] = None  # what the engine stated, once it has
+        self._plain_stated = False
         self.events: List[object] = []
         self.threads: Dict[int, ThreadView] = {0: ThreadView(0, None, 0)}
         self.forked = False
@@ -161,6 +166,8 @@ class StreamState:
         change = Change()
         if getattr(event, "chosen", None):
             self.chosen = event.chosen
+        if getattr(event, "plain_tps", None):
+            self._plain, self._plain_stated = float(event.plain_tps), True
         kind, tid = event.kind, event.thread_id
         if kind == "thread_start":
             if tid not in self.threads:  # thread 0 (the root) always exists
@@ -200,6 +207,9 @@ class StreamState:
                 change.updated.append(tid)
         elif kind == "done":
             self.stats = event.stats
+            extra = getattr(event.stats, "extra", None) or {}
+            if self._plain_stated or extra.get("plain_tps"):  # at the context the answer did average
+                self._plain, self._plain_stated = extra.get("plain_tps"), True
             change.done = True
             for view in self.threads.values():
                 if view.thread_id != 0 and not view.done:
@@ -282,11 +292,16 @@ class StreamState:
                 float(extra.get("tokens_per_full_forward", self.tokens_per_forward)))
 
     @property
+    def plain_tps(self) -> Optional[float]:
+        """Plain decoding's tok/s to compare this answer with; None where there is no fair figure."""
+        return self._plain if self._plain_stated else self.baseline_tps
+
+    @property
     def speedup(self) -> Optional[float]:
-        tps = self.decode_tps
-        if not self.baseline_tps or tps <= 0:
+        tps, plain = self.decode_tps, self.plain_tps
+        if not plain or tps <= 0:
             return None
-        return tps / self.baseline_tps
+        return tps / plain
 
     def figures(self) -> Dict[str, object]:
         out = {"tokens": self.tokens, "decode_tps": round(self.decode_tps, 2),

@@ -331,13 +331,13 @@ class StatusBar(Static):
         self._shown = None
         self.update(Content(text))
 
-    def show_state(self, state: StreamState, method: str, baseline: Optional[float], phase: str) -> None:
+    def show_state(self, state: StreamState, method: str, phase: str) -> None:
         """The figures, shortened where the line would not fit the bar: the speed-up without the
         plain speed first, then TriForce's level names, then no speed-up (the line under the
         answer keeps it)."""
         width = self.size.width  # the content width (inside the padding)
         for short in (0, 1, 2, 3):
-            text = " │ ".join(self._parts(state, method, baseline, phase, short))
+            text = " │ ".join(self._parts(state, method, phase, short))
             if not width or len(text) <= width:
                 break
         if text != getattr(self, "_shown", None):
@@ -345,7 +345,7 @@ class StatusBar(Static):
             self.update(Content(text), layout=False)  # one line, always: no layout
 
     @staticmethod
-    def _parts(state: StreamState, method: str, baseline: Optional[float], phase: str, short: int) -> List[str]:
+    def _parts(state: StreamState, method: str, phase: str, short: int) -> List[str]:
         label = METHOD_LABELS.get(method, method)
         if state.chosen:  # `auto`: the method it chose for this answer
             method = state.chosen["chose"]
@@ -367,12 +367,12 @@ class StatusBar(Static):
                 parts.append(f"acc {acceptance:.0%}")
             elif method == "redrafter":
                 parts.append("acc –")
-        speedup = state.speedup
+        speedup, plain = state.speedup, state.plain_tps
         if speedup is not None:
             if short < 3:
-                parts.append(f"×{speedup:.2f} vs plain {baseline:.1f}" if not short else f"×{speedup:.2f}")
-        elif baseline:
-            parts.append(f"plain {baseline:.1f} tok/s")
+                parts.append(f"×{speedup:.2f} vs plain {plain:.1f}" if not short else f"×{speedup:.2f}")
+        elif plain:
+            parts.append(f"plain {plain:.1f} tok/s")
         if state.forked:
             parts.append(f"threads {len(state.live_threads())}/{len(state.threads) - 1}")
         return parts

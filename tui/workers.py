@@ -74,7 +74,7 @@ def real_loader(model: str = "default", dtype: str = "auto", drafter: Optional[s
 
 
 class LoadingMixin:
-    """Loads the engine (and measures the plain speed once) off the UI thread."""
+    """Loads the engine and warms up its default method off the UI thread."""
 
     # -- loading (thread worker) ------------------------------------------------------------
     def _load(self) -> None:
@@ -83,25 +83,26 @@ class LoadingMixin:
 
         try:
             engine = self._engine_given if self._engine_given is not None else self._loader(progress)
-            baseline = self.baseline
-            if self._measure_baseline:
-                from mlx_specdec.decoding.base import GenerationParams
-
-                from .baseline import cached_plain_speed, plain_speed
-
-                if cached_plain_speed(engine, self.home) is None:
-                    progress("measuring the model's plain speed on this machine (once)", 3, 4)
-                try:
-                    with self._engine_lock:
-                        baseline = plain_speed(engine, self.home, GenerationParams)
-                except Exception:  # noqa: BLE001 - no speed-up figure, but a working chat
-                    baseline = None
             support = getattr(engine, "method_support", None)
             support = support() if callable(support) else {}  # loads a method's artifacts: here, not in the UI
+            warm_s = self._warm_up(engine, support, progress)
             progress("ready", 4, 4)
-            self.post_message(EngineReady(engine, baseline, support))
+            self.post_message(EngineReady(engine, support, warm_s))
         except Exception as exc:  # noqa: BLE001 - every failure becomes a notification
             self.post_message(LoadFailed(error_line(exc), hint_for(exc)))
+
+    def _warm_up(self, engine, support: dict, progress: Callable[[str, int, int], None]) -> float:
+        """The default method readied for the first answer (engine_measured.py), so the first answer
+        runs as fast as the third. An engine without `warm_up`, or a failure, costs nothing but that."""
+        warm_up = getattr(engine, "warm_up", None)
+        method = self.default_method
+        if not callable(warm_up) or support.get(method):
+            return 0.0
+        try:
+            with self._engine_lock:
+                return warm_up(method, make_params(self.default_settings, method), lambda stage: progress(stage, 3, 4))
+        except Exception:  # noqa: BLE001 - a first answer that pays its own warm-up, but a working chat
+            return 0.0
 
     def on_load_progress(self, message: LoadProgress) -> None:
         self.load_stage = message.stage
@@ -117,13 +118,12 @@ class LoadingMixin:
         self.unavailable = {m: why for m, why in message.support.items() if why}
         if self._restore_given is None:
             self.restore = default_restore(self.engine)
-        self.baseline = message.baseline or None
         self.query_one("#load-box").remove_class("-loading")
         lm = getattr(self.engine, "lm", None)
         self.model_label = lm.describe() if hasattr(lm, "describe") else self.model_label
         self.update_header()
-        plain = f" · plain speed {self.baseline:.1f} tok/s" if self.baseline else ""
-        self.status.show_text(f"ready: {self.model_label}{plain}")
+        warmed = f" · warmed up in {message.warm_s:.1f} s" if message.warm_s >= 1.0 else ""
+        self.status.show_text(f"ready: {self.model_label}{warmed}")
         if self._pending is not None:
             text, self._pending = self._pending, None
             self.ask(text)
@@ -195,7 +195,7 @@ class GenerationMixin:
         self.panes.reset()
         self.update_header()
         self.refresh_list()
-        self.status.show_state(state, method, self.baseline, "prefill")
+        self.status.show_state(state, method, "prefill")
         try:
             params = make_params({**self.default_settings, **conv.settings}, method)
         except (TypeError, ValueError) as exc:
@@ -306,7 +306,7 @@ class GenerationMixin:
             return
         gen.status_at, gen.status_due = time.monotonic(), False
         try:
-            self.status.show_state(gen.state, gen.method, self.baseline, "writing")
+            self.status.show_state(gen.state, gen.method, "writing")
         except NoMatches:  # the app is closing
             pass
 
@@ -343,7 +343,7 @@ class GenerationMixin:
                 self.chat.follow()
             if self.conversation is not None and self.conversation.id == gen.conversation_id:
                 self.panes.reset()
-                self.status.show_state(state, gen.method, self.baseline, status)
+                self.status.show_state(state, gen.method, status)
         except NoMatches:  # the app is closing
             pass
 

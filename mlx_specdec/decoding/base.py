@@ -133,6 +133,9 @@ class Event:
     stats: Optional[GenerationStats] = None
     #: on the first event of an `auto` answer: what was chosen and why, {"chose": ..., "why": ...}
     chosen: Optional[dict] = None
+    #: on the first event of an answer decoded alone: plain decoding's tok/s here at the context
+    #: the answer is expected to average, in its sampling mode (None where not measured)
+    plain_tps: Optional[float] = None
 
 
 @dataclass

@@ -276,11 +276,12 @@ class GenerationWorker:
                 job = rows.get(event.thread_id)
                 if job is None:
                     continue
-                job.put(dataclasses.replace(event, thread_id=0))
                 if event.kind == "done" and event.stats is not None and event.stats.extra.get("batch_rows") == 1:
-                    record = getattr(self.engine, "record_alone", None)  # `auto` learns from answers decoded alone
+                    # decoded alone: `auto` learns its rate; its speed-up over plain goes in its stats
+                    record = getattr(self.engine, "record_alone", None)
                     if record is not None:
                         record(job.method, len(job.prompt_ids), job.params, event.stats)
+                job.put(dataclasses.replace(event, thread_id=0))
                 if event.kind == "done":
                     job.put(DONE)
                     del rows[event.thread_id]
