@@ -122,6 +122,7 @@ class MeasuredMixin:
         start, params = time.perf_counter(), params or GenerationParams()
         tell = progress or (lambda stage: None)
         prompt = self.lm.encode_chat([{"role": "user", "content": WARM_PROMPT}])
+        prompt = prompt[-max(self.lm.context_length // 4, 8):]  # a small window's model: what fits
         methods = list(CANDIDATES) if method == "auto" else [method]
         if "redrafter" in methods and self.drafter is None:
             methods.remove("redrafter")

@@ -80,8 +80,8 @@ def cmd_serve(args) -> int:
     batch_bytes = args.max_batch_bytes if args.max_batch_bytes is not None else machine_memory() // 4
     if batch_bytes <= 0:
         raise UserError(f"--max-batch-bytes must be more than 0, not {args.max_batch_bytes}")
-    worker = GenerationWorker(lambda: load_engine(args, reuse_prefix=prompt_cache), max_batch=args.max_batch,
-                              max_batch_bytes=batch_bytes)
+    worker = GenerationWorker(lambda: _warmed(load_engine(args, reuse_prefix=prompt_cache), args.method),
+                              max_batch=args.max_batch, max_batch_bytes=batch_bytes)
     app = create_app(worker, method=args.method, api_key=args.api_key, model_spec=args.model)
     print(f"serving {worker.engine.lm.name} ({args.method}) on http://{args.host}:{args.port}/v1 (Ctrl-C stops)",
           file=sys.stderr, flush=True)
@@ -100,6 +100,22 @@ def cmd_serve(args) -> int:
     # Leave without the interpreter's teardown: MLX streams of the ended generation thread abort
     # the process at exit (ml-explore/mlx#3126, as the chat app).
     os._exit(0)
+
+
+def _warmed(engine, method: str):
+    """The served method readied at the model's default sampling before the first request
+    (engine_measured.py): the first answer runs as fast as the later ones."""
+    from ..decoding import GenerationParams
+    from ..sampling_defaults import fill
+
+    params = GenerationParams(**fill({}, engine.sampling_defaults[0], method))
+    try:
+        seconds = engine.warm_up(method, params, lambda stage: print(f"{stage} ...", file=sys.stderr, flush=True))
+    except Exception as error:  # noqa: BLE001 - the first request pays its own warm-up, nothing worse
+        print(f"warning: warm-up failed ({error}); the first answer warms up instead", file=sys.stderr)
+    else:
+        print(f"warmed up in {seconds:.1f} s", file=sys.stderr, flush=True)
+    return engine
 
 
 def _check_port_free(host: str, port: int) -> None:
