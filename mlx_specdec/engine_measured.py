@@ -35,7 +35,11 @@ WARM_PROMPT = (
     "herbs, and I want to avoid buying expensive equipment. My neighbour says raised beds are the "
     "only way to deal with clay, but a friend says I should just dig in compost. Which would you "
     "suggest, what should I plant first, and what mistakes do beginners usually make?")
-WARM_PLAIN_TOKENS = 64
+WARM_PLAIN_TOKENS = 48
+# The plain points the warm-up measures once per sampling mode: a first turn's context, and a later
+# turn's (the prompt repeated, as a conversation's history grows): plain_rate.WINDOW around the two
+# covers contexts from about 80 to 1,300 tokens.
+WARM_PLAIN_REPEATS = (1, 5)
 WARM_METHOD_TOKENS = 16  # enough steps for the step's common shapes
 
 
@@ -121,8 +125,7 @@ class MeasuredMixin:
         decodes is recorded for `auto` or kept in the prefix store. Returns the seconds it took."""
         start, params = time.perf_counter(), params or GenerationParams()
         tell = progress or (lambda stage: None)
-        prompt = self.lm.encode_chat([{"role": "user", "content": WARM_PROMPT}])
-        prompt = prompt[-max(self.lm.context_length // 4, 8):]  # a small window's model: what fits
+        prompt = self._warm_prompt(1)
         methods = list(CANDIDATES) if method == "auto" else [method]
         if "redrafter" in methods and self.drafter is None:
             methods.remove("redrafter")
@@ -136,12 +139,20 @@ class MeasuredMixin:
             tell(f"warming up {name}")
             self._decode_quietly(prompt, name, params, WARM_METHOD_TOKENS)
         mode = mode_of(params)
-        if not self.plain_rates.has_near(mode, mean_context(len(prompt), WARM_PLAIN_TOKENS)):
-            tell(f"measuring plain decoding's speed here ({mode}, once)")
+        for repeats in WARM_PLAIN_REPEATS:
+            prompt = self._warm_prompt(repeats)
+            if self.plain_rates.has_near(mode, mean_context(len(prompt), WARM_PLAIN_TOKENS)):
+                continue
+            tell(f"measuring plain decoding's speed at {len(prompt)} tokens of context ({mode}, once)")
             stats = self._decode_quietly(prompt, "ar", params, WARM_PLAIN_TOKENS)
             if stats is not None:
                 self.plain_rates.record(mode, len(prompt), stats.generated_tokens, stats.decode_tps)
         return time.perf_counter() - start
+
+    def _warm_prompt(self, repeats: int):
+        """The warm-up question, its text `repeats` times; in a small window, what fits."""
+        prompt = self.lm.encode_chat([{"role": "user", "content": "\n\n".join([WARM_PROMPT] * repeats)}])
+        return prompt[-max(self.lm.context_length // 4, 8):]
 
     def _decode_quietly(self, prompt, method: str, params: GenerationParams, tokens: int):
         """One answer of `tokens` tokens (no stop at EOS's text; the prefix store left alone) -> its stats."""
