@@ -9,7 +9,8 @@ of the latest answers each method wrote, and per request it takes, in order:
             than MARGIN (a tie is `ar`'s: never slower than plain decoding beyond the noise);
   explore   one of them not yet measured in this band: the one the prediction below favours
             first, then the other, once, so that by its second answer a band has tried both
-            (a measured loss is not tried again: it stays measured);
+            (a measured loss is not tried again: it stays measured; nor is redrafter where its
+            planner would verify no drafts, each more token costing about a forward: `cannot_pay`);
   busy      other requests waiting beside this one (the server): `ar`, whose continuous batch
             serves many at once better than speculation's rows do. A request arriving while a
             continuous batch runs joins it instead (serve/worker.py): an `ar` batch always, a
@@ -100,11 +101,21 @@ class MethodChooser:
 
     # -- the prediction ----------------------------------------------------------------------------
 
-    def _planned(self, context: int, acceptance) -> float:
-        """Expected tokens per unit of verify cost at the best step length (the planner's choice)."""
+    def _per_cost(self, context: int, acceptance) -> np.ndarray:
+        """(T,) expected tokens per unit of verify cost for a step of 1..T tokens."""
         per_t, fixed = costs_at(context, self.table), self.step_overhead or 0.0
         reach = np.concatenate([[1.0], np.asarray(acceptance, dtype=np.float64)])
-        return max(float(np.sum(reach[:t])) / (cost_of(per_t, t) + fixed) for t in range(1, len(reach) + 1))
+        return np.array([float(np.sum(reach[:t])) / (cost_of(per_t, t) + fixed) for t in range(1, len(reach) + 1)])
+
+    def _planned(self, context: int, acceptance) -> float:
+        """Expected tokens per unit of verify cost at the best step length (the planner's choice)."""
+        return float(self._per_cost(context, acceptance).max())
+
+    def cannot_pay(self, prompt_tokens: int, greedy: bool) -> bool:
+        """Whether the planner would verify no drafts here (a step of one token is its best: each
+        more query token costs about a forward of its own); redrafter is then plain decoding plus
+        the head's work, and is not tried."""
+        return self.table is not None and int(np.argmax(self._per_cost(prompt_tokens, self._acceptance(greedy)))) == 0
 
     def _acceptance(self, greedy: bool):
         return self.acceptance.get(greedy) or PRIOR_ACCEPTANCE[greedy]
@@ -148,6 +159,8 @@ class MethodChooser:
             ratio = float(np.median(spec) / np.median(ar))
             method = "redrafter" if ratio > MARGIN else "ar"
             return Choice(method, f"measured here: redrafter {ratio:.2f}x ar ({mode}, {len(spec)}+{len(ar)} answers)")
+        if self.cannot_pay(prompt_tokens, greedy):
+            return Choice("ar", f"a draft costs about a forward here ({self.table.source}): speculation cannot pay")
         if predicted is None:
             first, why = "ar", "no verify-cost table for this machine (`mlx-specdec calibrate`)"
         else:

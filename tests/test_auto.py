@@ -8,7 +8,7 @@ from mlx_specdec.auto import MARGIN, MethodChooser, band_of
 from mlx_specdec.drafting.verify_cost import CostTable, shipped_table
 
 CHEAP = CostTable(np.array([100.0, 8000.0]), np.array([[1.0, 1.02, 1.04, 1.06, 1.08]] * 2), "cheap")
-DEAR = CostTable(np.array([100.0, 8000.0]), np.array([[1.0, 1.9, 2.8, 3.7, 4.6]] * 2), "dear")
+DEAR = CostTable(np.array([100.0, 8000.0]), np.array([[1.0, 1.4, 1.8, 2.2, 2.6]] * 2), "dear")
 
 
 def measure(chooser, method, rate, times=3, greedy=False, prompt=200):
@@ -37,6 +37,17 @@ def test_before_any_answer_the_verify_cost_table_predicts():
     assert unknown.choose(200, True).method == "ar"
     measure(unknown, "ar", 20.0, greedy=True)
     assert unknown.choose(200, True).method == "redrafter"
+
+
+def test_where_each_drafted_token_costs_a_forward_redrafter_is_never_tried():
+    from mlx_specdec.drafting.verify_cost import row_by_row_table
+
+    chooser = MethodChooser(row_by_row_table(), True)  # a quantized model kept packed on the CPU
+    for _ in range(3):
+        choice = chooser.choose(200, False)
+        assert choice.method == "ar" and "cannot pay" in choice.why
+        measure(chooser, "ar", 7.5)
+    assert not MethodChooser(DEAR, True).cannot_pay(200, False)  # dear, but a draft still pays a little
 
 
 def test_once_both_are_measured_the_faster_wins_and_a_tie_is_ar_s():

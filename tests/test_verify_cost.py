@@ -135,3 +135,24 @@ def test_on_a_convex_table_the_first_peak_sampling_takes_is_greedy_s_argmax():
         kept = int(rng.integers(1, 7))
         assert worth_verifying(probs, owner, kept, 150, rate=rate, table=table, breadth=np.array([1])) == \
             worth_verifying(probs, owner, kept, 150, rate=rate, table=table)
+
+
+def test_a_quantized_model_kept_packed_on_the_cpu_plans_no_drafts(tmp_path, monkeypatch):
+    """MLX's CPU quantized matmul takes rows one at a time: the shipped table (float weights)
+    does not describe such a model; the row-by-row table makes every extra token cost a forward."""
+    from types import SimpleNamespace
+
+    from mlx_specdec.drafting.cost_probe import cost_table_for
+    from mlx_specdec.drafting.verify_cost import row_by_row_table
+    from mlx_specdec.model.device import on_cpu
+
+    if not on_cpu():
+        pytest.skip("the CPU's tables")
+    monkeypatch.setenv("MLX_SPECDEC_HOME", str(tmp_path))  # no table calibrated for these
+    packed = SimpleNamespace(name="q", bits=4, dequantized=False, dtype="float32", model=None)
+    assert cost_table_for(packed).source == row_by_row_table().source
+    assert cost_table_for(SimpleNamespace(**{**vars(packed), "dequantized": True})).source == shipped_table().source
+    probs = np.full((1, 1, 4), 0.9)
+    owner = np.zeros((1, 1, 5), dtype=int)
+    assert worth_verifying(probs, owner, 5, 300, table=row_by_row_table()) == 1  # a plain step
+    assert worth_verifying(probs, owner, 5, 300, table=shipped_table()) > 1

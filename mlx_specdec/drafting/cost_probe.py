@@ -41,7 +41,7 @@ import numpy as np
 from ..model.cpu_layout import COLUMN, ROW, current_layout
 from ..model.device import machine, on_cpu
 from ..model.timing import prefilled, verify_forward
-from .verify_cost import CostTable, shipped_table
+from .verify_cost import CostTable, row_by_row_table, shipped_table
 
 DEFAULT_CONTEXTS = (150, 2000, 6000)
 DEFAULT_TOKENS = 8  # T = 1..8: ReDrafter's default chains verify at most 5, lookup streaks more
@@ -158,15 +158,15 @@ def is_convex(costs: np.ndarray, slack: float = CONVEX_SLACK) -> bool:
 
 
 def cost_table_for(lm) -> Optional[CostTable]:
-    """The table ReDrafter's step length uses: this machine's, else the shipped one on the CPU,
-    else (a GPU never calibrated for this model) a short measurement made now and kept, unless
-    $MLX_SPECDEC_NO_FIRST_USE_CALIBRATION is set (then none: every draft the cutoff keeps is
-    verified)."""
+    """The table ReDrafter's step length uses: this machine's, else on the CPU the shipped one (a
+    model kept quantized there: `row_by_row_table`), else (a GPU never calibrated for this model) a
+    short measurement made now and kept, unless $MLX_SPECDEC_NO_FIRST_USE_CALIBRATION is set (then
+    none: every draft the cutoff keeps is verified)."""
     measured = load_table(lm)
     if measured is not None:
         return measured
     if on_cpu():
-        return shipped_table()
+        return row_by_row_table() if lm.bits and not lm.dequantized else shipped_table()
     if os.environ.get(NO_FIRST_USE_ENV):
         return None
     return measure_on_first_use(lm)
