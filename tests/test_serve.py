@@ -115,6 +115,19 @@ def test_the_default_method_auto_says_what_it_chose(server):
         assert speculation["auto"]["why"]
 
 
+def test_an_answer_states_its_speedup_over_plain_decoding_like_for_like(server):
+    """The server warmed up at the model's default sampling (T 0.7, top-p 0.9 here), timing plain
+    decoding there: a speculative answer in that mode near that context says its rate over plain
+    decoding's; a plain answer says none (it is the plain rate)."""
+    messages = [{"role": "user", "content": " ".join(f"w{3 + i % 90}" for i in range(100))}]
+    sampled = dict(model="tiny", messages=messages, max_tokens=40, temperature=0.7, top_p=0.9, seed=1)
+    spec = client(server).chat.completions.create(**sampled, extra_body={"method": "redrafter"})
+    speculation = spec.model_extra["speculation"]
+    assert speculation["plain_tps"] > 0 and speculation["speedup_vs_plain"] > 0
+    plain = client(server).chat.completions.create(**sampled, extra_body={"method": "ar"})
+    assert "speedup_vs_plain" not in plain.model_extra["speculation"]
+
+
 def test_a_method_the_model_cannot_run_is_a_400_and_the_server_goes_on(server):
     with pytest.raises(openai.BadRequestError, match="apar needs a model with"):
         client(server).chat.completions.create(model="tiny", temperature=0, messages=[{"role": "user", "content": PROMPT}],

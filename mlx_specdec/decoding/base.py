@@ -102,6 +102,8 @@ class GenerationStats:
         if self.drafted:
             line += f" | accepted {self.accepted}/{self.drafted} drafted"
         extra = self.extra
+        if "speedup_vs_plain" in extra:  # plain decoding here, same sampling, about this context
+            line += f" | x{extra['speedup_vs_plain']:.2f} vs plain {extra['plain_tps']:.1f} tok/s"
         if "acceptance_per_position" in extra:
             line += f" | acceptance by position {extra['acceptance_per_position']}"
         if "compression" in extra:
