@@ -85,6 +85,39 @@ def sample_top_nucleus(logprobs: mx.array, temperature: float, top_p: float, ful
     return tokens if bool(held.all()) else full(logprobs)
 
 
+NUCLEUS_DRAWS = 4  # draws per node `nucleus_draws` makes; all outside the nucleus: about (1-top_p)^4
+
+
+def nucleus_draws(logprobs: mx.array, temperature: float, top_p: float, rounds: int = NUCLEUS_DRAWS):
+    """A draw from `sampling_logits` at every row of (..., V) log-probabilities, with no sort and a
+    fixed amount of work: (tokens (...), held (...) bool).
+
+    Each of `rounds` draws comes from the whole tempered distribution exp(logprob / T) (inverse
+    CDF: one uniform and one pass each); a draw x is in mlx-lm's nucleus exactly when the mass of
+    the tokens likelier than x is below top_p of the total (`apply_top_p` keeps the fewest likeliest
+    tokens whose mass reaches top_p, ties with the last one kept: that set). The first draw in the
+    nucleus is kept. A draw from p restricted to a set, given that it fell in the set, is a draw
+    from p on the set: the nucleus at T = 1 cut, then scaled by 1/T, as `sampling_logits` draws.
+    Where no draw fell in the nucleus (held False: rare, each draw lands in it with at least about
+    top_p), the caller draws that row again by the full rule (`sample_token`), which is exact
+    because whether a row is redrawn depends only on draws it then discards.
+
+    The comparisons are made on `logprobs` as given (mlx-lm's ties); the masses are summed in
+    float32 in another order than the sorted cumulative sum, so only a mass within rounding of
+    top_p can be judged differently."""
+    probs = mx.exp(logprobs.astype(mx.float32))  # (..., V) at T = 1: the nucleus is cut on these
+    total = probs.sum(axis=-1, keepdims=True)
+    cdf = mx.cumsum(mx.exp(logprobs.astype(mx.float32) * (1.0 / temperature)), axis=-1)  # tempered, unnormalised
+    u = mx.random.uniform(shape=(*logprobs.shape[:-1], rounds)) * cdf[..., -1:]  # (..., R)
+    drawn = (cdf[..., None, :] <= u[..., None]).sum(axis=-1)  # (..., R) the first token whose cdf passes u
+    drawn = mx.minimum(drawn, logprobs.shape[-1] - 1).astype(mx.uint32)
+    value = mx.take_along_axis(logprobs, drawn, axis=-1)  # (..., R)
+    likelier = mx.where(logprobs[..., None, :] > value[..., None], probs[..., None, :], 0.0).sum(axis=-1)
+    inside = likelier < top_p * total  # (..., R) each draw in the nucleus
+    first = mx.argmax(inside, axis=-1)  # the first draw inside (0 where none is: held says so)
+    return mx.take_along_axis(drawn, first[..., None], axis=-1)[..., 0], inside.any(axis=-1)
+
+
 def target_probs(logits: mx.array, temperature: float, top_p: float = 1.0) -> mx.array:
     """The distribution plain sampling draws from (`sampling_logits`), as probabilities (float32)."""
     logits = logits.astype(mx.float32)

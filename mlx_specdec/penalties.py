@@ -200,6 +200,79 @@ class TreePenalties:
         self.recent = np.concatenate([self.recent, window_of(text, self.pen.window)[None]])
 
 
+class DeviceTreePenalties:
+    """`TreePenalties` with nothing uploaded per step (the device step, redrafter_device.py): each
+    node's path is read off the packed tree on the device (its tokens, ancestor mask and depths),
+    and the answer's counts and repetition window are updated from the accepted path and the next
+    token where the accept left them. The same penalized logits, node for node."""
+
+    def __init__(self, host: TreePenalties):
+        self.pen, self.vocab = host.pen, host.vocab
+        self.counts = host.counts  # (B, V) on the device
+        self.recent = mx.array(host.recent)  # (B, K): one upload, when the device step takes over
+
+    def on_tree(self, logits: mx.array, tokens: mx.array, mask: mx.array, depths: mx.array,
+                length: int) -> mx.array:
+        """logits (B, n, V) at the packed nodes; tokens (B, n), mask (B, 1, n, n) ancestor-or-self,
+        depths (B, n); length: the beams' padded length (a node is at most length - 1 deep)."""
+        B, n, _ = logits.shape
+        if length == 1:  # a plain step: no drafts on any path
+            return penalize(logits, self.pen, self.counts[:, None, :], self._windows(self._no_path(B, n), depths))
+        k = mx.arange(1, length)  # (L-1,) the depths a path holds
+        at_depth = mask[:, 0, :, :, None] & (depths[:, None, :, None] == k)  # (B, n, n, L-1): j on i's path at k
+        path = (at_depth * tokens[:, None, :, None]).sum(axis=2)  # (B, n, L-1) i's drafts by depth, 0 past it
+        on_path = k <= depths[..., None]  # (B, n, L-1)
+        counts = None
+        if self.pen.counts:
+            rows = mx.broadcast_to(mx.arange(B)[:, None, None], path.shape)
+            nodes = mx.broadcast_to(mx.arange(n)[None, :, None], path.shape)
+            extra = mx.zeros((B, n, self.vocab), dtype=mx.float32).at[rows, nodes, path].add(
+                on_path.astype(mx.float32))
+            counts = self.counts[:, None, :] + extra
+        return penalize(logits, self.pen, counts, self._windows(path, depths) if self.pen.recent else None)
+
+    @staticmethod
+    def _no_path(B: int, n: int) -> mx.array:
+        return mx.zeros((B, n, 0), dtype=mx.int32)
+
+    def _windows(self, path: mx.array, depths: mx.array) -> Optional[mx.array]:
+        """As `TreePenalties._windows`, on the device."""
+        if not self.pen.recent:
+            return None
+        K = self.pen.window
+        B, n, _ = path.shape
+        seq = mx.concatenate([mx.broadcast_to(self.recent[:, None, :], (B, n, K)), path.astype(mx.int32)], axis=-1)
+        position = mx.arange(seq.shape[-1])
+        last = K - 1 + depths[..., None]  # (B, n, 1) the node's own last token in seq
+        kept = (position > last - K) & (position <= last)
+        return mx.where(kept, seq, mx.take_along_axis(seq, last, axis=-1)).astype(mx.int32)
+
+    def commit_accepted(self, beams: mx.array, beam: mx.array, accepted: mx.array, token: mx.array) -> None:
+        """beams (B, Wb, Lb) the step's, the own token first; beam, accepted, token (B,) the accept's:
+        each row wrote beams[beam, 1 : accepted + 1], then token."""
+        B, _, Lb = beams.shape
+        chosen = mx.take_along_axis(beams, beam[:, None, None].astype(mx.int32), axis=1)[:, 0]  # (B, Lb)
+        written = mx.concatenate([chosen[:, 1:], mx.zeros((B, 1), dtype=mx.int32)], axis=1)
+        at = mx.arange(Lb)[None]
+        written = mx.where(at == accepted[:, None], token[:, None].astype(mx.int32), written)
+        valid = at <= accepted[:, None]  # (B, Lb)
+        written = mx.where(valid, written, 0)  # padding drafts are -1: never an index
+        if self.pen.counts:
+            rows = mx.broadcast_to(mx.arange(B)[:, None], written.shape)
+            self.counts = self.counts.at[rows, written].add(valid.astype(mx.float32))
+        if self.pen.recent:
+            seq = mx.concatenate([self.recent, written], axis=1)  # (B, K + Lb)
+            start = (accepted + 1).astype(mx.int32)[:, None]
+            self.recent = mx.take_along_axis(seq, start + mx.arange(self.pen.window)[None], axis=1)
+
+    def commit(self, new_tokens) -> None:
+        """Nothing: `commit_accepted` keeps the state from what the device holds."""
+
+    def select_rows(self, keep: np.ndarray) -> None:
+        keep = mx.array(keep)
+        self.counts, self.recent = self.counts[keep], self.recent[keep]
+
+
 class NoPenalties:
     """Every penalty off: the logits go through untouched and nothing is kept."""
 
@@ -208,6 +281,12 @@ class NoPenalties:
 
     def nodes(self, logits, beams, packed):
         return logits
+
+    def on_tree(self, logits, tokens, mask, depths, length):
+        return logits
+
+    def commit_accepted(self, beams, beam, accepted, token) -> None:
+        pass
 
     def commit(self, new_tokens) -> None:
         pass

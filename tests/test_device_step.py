@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mlx_specdec import masks
-from mlx_specdec.acceptance import target_probs
+from mlx_specdec.acceptance import sample_token, target_probs
 from mlx_specdec.decoding import GenerationParams
 from mlx_specdec.decoding.redrafter_device import DeviceLoop, beam_width, verify_width
 from mlx_specdec.drafting.verify_cost import CostTable
@@ -111,9 +111,10 @@ def test_the_tree_mask_and_depths_built_on_the_device_are_the_host_s(parents):
     assert (np.array(depths[0]) == masks.tree_depths_np(parents)).all()
 
 
-def test_a_node_s_own_token_is_the_target_s_sample_with_and_without_the_quick_nucleus():
-    """Two nodes over 1,500 tokens: one whose top-p nucleus lies in the likeliest 1,024 tokens,
-    one so flat it does not (the full sort draws it). 40,000 draws each, binned; chi-square."""
+def test_a_node_s_own_token_is_the_target_s_sample_drawn_or_settled():
+    """Two nodes over 1,500 tokens: one sharp, one so flat that about a tenth of its draws fall
+    outside the nucleus (redrawn by the full rule, as `DeviceLoop.settle` does). 40,000 draws
+    each, binned; chi-square."""
     rng = np.random.default_rng(0)
     V, draws = 1500, 40_000
     logits = np.stack([rng.normal(size=V) * 4.0, rng.normal(size=V) * 0.05]).astype(np.float32)
@@ -121,7 +122,10 @@ def test_a_node_s_own_token_is_the_target_s_sample_with_and_without_the_quick_nu
     loop = SimpleNamespace(params=params)
     batch = mx.broadcast_to(mx.array(logits)[None], (draws, 2, V))
     mx.random.seed(3)
-    tokens = np.array(DeviceLoop.own_token(loop, batch))  # (draws, 2)
+    own, held = DeviceLoop.node_draws(loop, batch)
+    assert 0 < np.array(held).mean() < 1  # both ways taken
+    logprobs = batch - mx.logsumexp(batch, axis=-1, keepdims=True)
+    tokens = np.array(mx.where(held, own, sample_token(logprobs, params.temperature, params.top_p)))  # (draws, 2)
     p = np.array(target_probs(mx.array(logits), params.temperature, params.top_p), dtype=np.float64)
     for node in range(2):
         order = np.argsort(-p[node])

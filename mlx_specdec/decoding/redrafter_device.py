@@ -11,8 +11,9 @@ suits a CPU, where every skipped head projection is saved arithmetic. Here a ste
                  each beam token's packed index and the beams; sliced on the device
     verify       mask and positions built on the device from the parents (`masks.tree_on_device`);
                  the tree padded to a bucket of widths (VERIFY_WIDTHS), the beams to a power of two
-    accept       on the device; the target's own token at every node (argmax, or a draw whose
-                 nucleus fallback is chosen on the device from the logits alone: exact)
+    accept       on the device; the target's own token at every node (argmax, or a draw from
+                 its top-p nucleus with no sort: `acceptance.nucleus_draws`; a node none of whose
+                 draws fell in its nucleus, rare, is drawn again by the full rule after the read)
     draft        the head's whole chain and its runners-up after the accepted token, in the same graph
     read         `mx.async_eval`, then the previous step's tokens are yielded (the consumer's work
                  overlaps the device's), then the step's one blocking read
@@ -32,9 +33,10 @@ import mlx.core as mx
 import numpy as np
 
 from .. import masks
-from ..acceptance import Accepted, greedy_accept_targets, sampling_logits, top_nucleus
+from ..acceptance import Accepted, greedy_accept_targets, nucleus_draws, sample_token
 from ..drafting.verify_cost import CostTable, cost_of
 from ..host_traffic import queue, read_host, to_device
+from ..penalties import DeviceTreePenalties, TreePenalties
 from .base import Step, drop_finished_rows
 from .redrafter_step import RedrafterLoop
 from .redrafter_types import Plan, Read, Settings, Tree
@@ -88,9 +90,12 @@ class DeviceLoop(RedrafterLoop):
         self.head.whole_chain = bool(getattr(self.head, "stepwise", False))
         self.pending: List[Step] = []  # the last step's tokens, yielded while the next one computes
         self.valid_dev = None  # (B, P) `valid` on the device, only while some row has holes
+        self.drawn = None  # the last verify's (penalized logits, own tokens, held) for `settle`
 
     def start(self) -> Iterator[Step]:
         yield from super().start()
+        if isinstance(self.penalties, TreePenalties):  # from here the penalties' state stays on the device
+            self.penalties = DeviceTreePenalties(self.penalties)
         if not self.valid.all():  # a batch of prompts of different lengths: padding is a hole
             self.valid_dev = to_device(self.valid)
 
@@ -130,11 +135,18 @@ class DeviceLoop(RedrafterLoop):
         result, hidden = self.accept(tree, length, out)
         self.mark("accept_s", result, hidden)
         drafts = self.head.propose(result.next_token, hidden)
+        held = self.drawn[2]
         wanted = [result.beam, result.num_accepted, result.next_token, *self.draft_outputs(drafts)]
-        queue(*wanted)
+        queue(*wanted, *([] if held is None else [held]))
         yield from self.flush()  # the consumer's work on the last step's tokens overlaps this one
-        best, accepted, token, *values = read_host(*wanted)  # the step's one blocking read
+        best, accepted, token, *values = read_host(*wanted, *([] if held is None else [held]))  # the one read
+        if held is not None and self.unsettled(tree, values.pop()):
+            result, hidden = self.settle(tree, out)
+            drafts = self.head.propose(result.next_token, hidden)
+            wanted = [result.beam, result.num_accepted, result.next_token, *self.draft_outputs(drafts)]
+            best, accepted, token, *values = read_host(*wanted)  # deliberate: a rare second read
         self.mark("sync_s")
+        self.penalties.commit_accepted(tree.device_beams, result.beam, result.num_accepted, result.next_token)
         self._best_dev, self._accepted_dev = result.beam, result.num_accepted
         if self.first_offer is not None:
             kept = [tree.beams[b, best[b], : accepted[b] + 1] for b in range(len(self.rows))]
@@ -182,7 +194,8 @@ class DeviceLoop(RedrafterLoop):
         beams_dev = device[:, 1 + 2 * n + Wb * Lb:].reshape(B, Wb, Lb)
         tree_mask, depths = masks.tree_on_device(parents)  # (B, 1, n, n), (B, n)
         positions = lengths[:, None] + depths  # (B, n)
-        return Tree(beams, trees, tokens, positions, tree_mask, index_dev, drafts, extra, runner_depth, beams_dev)
+        return Tree(beams, trees, tokens, positions, tree_mask, index_dev, drafts, extra, runner_depth, beams_dev,
+                    depths)
 
     def verify(self, tree: Tree):
         from ..model.forward import forward
@@ -195,22 +208,37 @@ class DeviceLoop(RedrafterLoop):
         return forward(self.model, tree.tokens, self.cache, positions=tree.positions, mask=mask)
 
     def accept(self, tree: Tree, length: int, out):
-        logits = self.penalties.nodes(out.logits, tree.beams, tree.packed)  # (B, n, V)
-        beam, accepted, token, hidden = _accept(tree.device_beams, self.own_token(logits), tree.index, out.hidden)
+        logits = self.penalties.on_tree(out.logits, tree.tokens, tree.mask, tree.depths,
+                                        tree.device_beams.shape[-1])  # (B, n, V)
+        own, held = self.node_draws(logits)
+        self.drawn = (logits, own, held)  # kept for `settle`
+        beam, accepted, token, hidden = _accept(tree.device_beams, own, tree.index, out.hidden)
         return Accepted(beam, accepted, token), hidden
 
-    def own_token(self, logits: mx.array) -> mx.array:
-        """The target's own token at every node, with no read: where the likeliest tokens do not
-        hold a node's nucleus, that node's draw comes from the full sort instead. Which draw is
-        kept depends on the logits alone, never on a draw, so each is the target's sample."""
+    def node_draws(self, logits: mx.array):
+        """The target's own token at every node, with no read and no sort -> (tokens (B, n), held
+        (B, n): whether each node's draw is final, None where every draw is). Greedy: the argmax;
+        top-p: `nucleus_draws`; plain sampling: as `ar` draws."""
         p = self.params
         if p.greedy or not 0.0 < p.top_p < 1.0:
-            return super().own_token(logits)
+            return super().own_token(logits), None
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        cut, held = top_nucleus(logprobs, p.top_p)
-        quick = mx.random.categorical(cut * (1.0 / p.temperature))
-        full = mx.random.categorical(sampling_logits(logprobs, p.temperature, p.top_p))
-        return mx.where(held, quick, full)
+        return nucleus_draws(logprobs, p.temperature, p.top_p)
+
+    @staticmethod
+    def unsettled(tree: Tree, held: np.ndarray) -> bool:
+        """Whether a real node (not padding) of the step holds no draw in its nucleus."""
+        return not all(held[b, : len(t.tokens)].all() for b, t in enumerate(tree.packed))
+
+    def settle(self, tree: Tree, out):
+        """The step again with its unheld nodes drawn by the full rule (a sort): exact, since which
+        nodes are drawn again depends only on the draws they discard."""
+        logits, own, held = self.drawn
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        fresh = sample_token(logprobs, self.params.temperature, self.params.top_p).astype(own.dtype)
+        own = mx.where(held, own, fresh)
+        beam, accepted, token, hidden = _accept(tree.device_beams, own, tree.index, out.hidden)
+        return Accepted(beam, accepted, token), hidden
 
     def keep_accepted(self, tree: Tree, best: np.ndarray, accepted: np.ndarray) -> None:
         """As `RedrafterLoop.keep_accepted`, the moved paths gathered on the device."""

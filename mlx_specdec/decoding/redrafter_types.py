@@ -55,6 +55,7 @@ class Tree(NamedTuple):
     extra: np.ndarray  # (B,) runners-up verified per row
     runner_depth: np.ndarray  # (R,) the depth of each runner-up beam
     device_beams: Optional[mx.array] = None  # (B, Wb, Lb) the beams padded to a bucket (the device step)
+    depths: Optional[mx.array] = None  # (B, N) each packed token's depth, on the device (the device step)
 
 
 class Read(NamedTuple):  # the step's host sync: its acceptance, and the next step's drafts
