@@ -82,3 +82,30 @@ def write_qwen_dir(path: Path, model_type: str, seed: int = 0, bits=None, embed_
         shutil.copy(TOKENIZER_DIR / name, path / name)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS, 264], "do_sample": False}))
     return path
+
+
+# A Qwen3 that writes a thinking answer: every layer's attention and MLP outputs are zero (o_proj,
+# down_proj), so each logit row depends on the last token alone, and the head makes SCRIPT's
+# successor the argmax. After the generation prompt ("assistant\n") it thinks, then answers; after
+# the thinking-off prompt ("</think>\n\n": the "\n\n" token) it answers at once.
+SCRIPT = {10: THINK, THINK: ord("H"), ord("H"): ord("m"), ord("m"): ord("."), ord("."): END_THINK,
+          END_THINK: ord("O"), 261: ord("O"), ord("O"): ord("k"), ord("k"): ord("!"), ord("!"): EOS}
+THOUGHT, ANSWER = "Hm.", "Ok!"
+
+
+def write_thinking_qwen3(path: Path, seed: int = 0) -> Path:
+    path = write_qwen_dir(path, "qwen3", seed=seed, embed_scale=1.0, tie_word_embeddings=False)
+    weights = mx.load(str(path / "model.safetensors"))
+    for name in list(weights):
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = mx.zeros_like(weights[name])
+    embed = np.array(weights["model.embed_tokens.weight"])
+    norm = np.array(weights["model.norm.weight"])
+    rms = lambda v: v / np.sqrt(np.mean(v * v) + 1e-6) * norm  # noqa: E731  (the final RMSNorm)
+    head = 0.01 * np.random.default_rng(seed).standard_normal(embed.shape).astype(np.float32)
+    for token, successor in SCRIPT.items():
+        h = rms(embed[token])
+        head[successor] += 4.0 * h / np.linalg.norm(h)
+    weights["lm_head.weight"] = mx.array(head)
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return path
