@@ -173,3 +173,24 @@ def test_qwen3_template_with_thinking_on_and_off_is_the_tokenizer_s_own(tmp_path
     got = lm.encode_chat(messages, thinking=thinking)
     assert got == want
     assert (267 in got) == (thinking is False)  # <think>, in the prompt only when thinking is off
+
+
+def test_bench_ar_and_mlx_lm_on_a_tiny_qwen3_write_the_same_answers(tmp_path):
+    """`mlx-specdec bench --methods ar,mlx-lm` on a tiny Qwen3: every one of 8 prompts' answers
+    identical (speed is the bench's to report, not a test's to assert)."""
+    import json
+
+    from mlx_specdec.cli import build_parser
+
+    path = write_qwen_dir(tmp_path / "qwen3", "qwen3", seed=11)
+    out = tmp_path / "bench.json"
+    args = build_parser().parse_args(["bench", "-m", str(path), "--methods", "ar,mlx-lm", "--limit", "8",
+                                      "--max-tokens", "32", "--format", "json", "--output", str(out)])
+    assert args.func(args) == 0
+    report = json.loads(out.read_text())
+    rows = [r for r in report["rows"] if r["method"] == "mlx-lm"]
+    summary = {s["method"]: s for s in report["summary"]}
+    print(f"mlx-lm identical to ar: {sum(r['identical_to_ar'] for r in rows)}/{len(rows)}, "
+          f"speed-up vs ar {summary['mlx-lm']['speedup_vs_ar']}")
+    assert len(rows) == 8 and all(r["identical_to_ar"] and r["new_tokens"] == 32 for r in rows)
+    assert summary["mlx-lm"]["identical_fraction"] == 1.0
