@@ -23,6 +23,7 @@ THINK, END_THINK = 267, 268
 BASE = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=VOCAB, rope_theta=1000000.0,
             max_position_embeddings=512, tie_word_embeddings=True)
+QUIET = (EOS, *range(0, 32), *range(127, 256))  # never the argmax (write_qwen_dir)
 QWEN3_HEAD_DIM = 24  # not hidden / heads (16), as Qwen3's own head_dim is not
 
 
@@ -68,8 +69,10 @@ def make_tiny_qwen(model_type: str, seed: int = 0, embed_scale: float = 1.0, qui
 def write_qwen_dir(path: Path, model_type: str, seed: int = 0, bits=None, embed_scale: float = 8.0,
                    **overrides) -> Path:
     """A tiny Qwen model directory: config.json, model.safetensors (bits: mlx-lm's affine
-    quantization, group 32) and the fixture's tokenizer files. EOS's head row is zero."""
-    model, config = make_tiny_qwen(model_type, seed, embed_scale=embed_scale, quiet_rows=(EOS,), **overrides)
+    quantization, group 32) and the fixture's tokenizer files. The head rows of EOS, of control
+    bytes and of non-ASCII bytes are zero: answers run to max_tokens and are
+    printable text (a byte-level BPE's lone high bytes decode to nothing)."""
+    model, config = make_tiny_qwen(model_type, seed, embed_scale=embed_scale, quiet_rows=QUIET, **overrides)
     if bits:
         nn.quantize(model, group_size=32, bits=bits)
         config["quantization"] = {"group_size": 32, "bits": bits}
