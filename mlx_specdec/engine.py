@@ -290,14 +290,17 @@ class Engine(MeasuredMixin):
 
     def generate_batch(self, prompts: List[str], method: str = "redrafter",
                        params: Optional[GenerationParams] = None, chat_template: bool = True) -> Iterator[Event]:
-        return self.generate_ids_batch([self.lm.encode_prompt(p, chat=chat_template) for p in prompts],
-                                       method, params)
+        thinking = (params or GenerationParams()).thinking
+        return self.generate_ids_batch([self.lm.encode_prompt(p, chat=chat_template, thinking=thinking)
+                                        for p in prompts], method, params)
 
     def generate(self, prompt: str, method: str = "ar", params: Optional[GenerationParams] = None,
                  chat_template: bool = True) -> Iterator[Event]:
-        return self.generate_ids(self.lm.encode_prompt(prompt, chat=chat_template), method, params)
+        thinking = (params or GenerationParams()).thinking
+        return self.generate_ids(self.lm.encode_prompt(prompt, chat=chat_template, thinking=thinking), method, params)
 
     def chat(self, messages: List[dict], method: str = "ar",
              params: Optional[GenerationParams] = None) -> Iterator[Event]:
         """messages: [{"role": "user"|"assistant"|"system", "content": str}, ...]"""
-        return self.generate_ids(self.lm.encode_chat(messages), method, params)
+        return self.generate_ids(self.lm.encode_chat(messages, thinking=(params or GenerationParams()).thinking),
+                                 method, params)

@@ -268,10 +268,14 @@ SAMPLING = (
     Setting("repetition_penalty", "float", 1.0, "mlx-lm's: divide the positive logits (multiply the negative "
             "ones) of the last repetition_context_size tokens by this; 1 = off", low=0.0, high=10.0, low_open=True),
     _int("repetition_context_size", 20, 1, 4096, "the tokens the repetition penalty looks back over"),
+    Setting("thinking", "choice", None, "the chat template's thinking mode (Qwen3's enable_thinking: a "
+            "<think>...</think> before the answer); left out, the template's own default",
+            choices=("on", "off"), values={"on": True, "off": False}),
 )
 
 #: GenerationParams fields a batch row keeps for itself; every other field must match to share a batch
-PER_ROW = ("max_tokens", "stop", "options")
+#: (thinking shapes a row's prompt only)
+PER_ROW = ("max_tokens", "stop", "options", "thinking")
 
 
 def method_settings() -> Iterable[Tuple[Method, Setting]]:

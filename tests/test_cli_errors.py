@@ -49,10 +49,11 @@ def test_directory_without_config(tmp_path):
     assert_one_line_error(cli("generate", "-m", str(tmp_path), "-p", "hi"), "has no config.json")
 
 
-def test_non_llama_config(tmp_path):
+def test_an_unsupported_architecture_is_refused_naming_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     assert_one_line_error(cli("generate", "-m", str(tmp_path), "-p", "hi"),
-                          "model_type 'gpt2' is not supported", "Llama-family")
+                          "model_type 'gpt2' is not supported", "llama (Llama)", "mistral", "qwen2 (Qwen2 / Qwen2.5)",
+                          "qwen3 (Qwen3)")
 
 
 def test_pickled_weights_are_refused(tmp_path, tiny_dir):

@@ -5,9 +5,12 @@ lossless method's greedy answer equal to `ar`'s, token for token.
 The shapes: MHA, GQA 2 and 4, MQA (one KV head); tied and untied embeddings; a vocabulary that is
 no multiple of 64; plain RoPE at two thetas and Llama 3's scaled RoPE; a bfloat16 checkpoint
 (computed in float32, the CPU's default, and in bfloat16); an explicit head_dim with q/k/v biases;
-a Mistral config, and one with mlx-lm's sliding-window layers (its context capped at the window).
+a Mistral config, and one with mlx-lm's sliding-window layers (its context capped at the window);
+Qwen2 (q/k/v biases, tied, RoPE base 1e6) and Qwen3 (per-head q/k norms, a head_dim that is not
+hidden / heads), built by mlx-lm's own qwen2 / qwen3 classes.
 The methods: `mlx-lm` (its own loop over its own model: `ar` == `mlx-lm` checks
-this engine's forward itself), `redrafter` without a head (prompt lookup), with a random head,
+this engine's forward itself), `auto` (ar or redrafter, as it chooses), `redrafter` without a head
+(prompt lookup), with a random head,
 with a 1-layer draft model of the same shape, `triforce` with its n-gram bottom over a small
 retrieval cache, and `apar` (each tokenizer has [Fork]/[Child]; their head rows, and EOS's, are
 zero so that no method ever picks them and every answer runs to max_tokens). In bfloat16, mlx-lm's
@@ -23,7 +26,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.models import llama
+from mlx_lm.models import llama, qwen2, qwen3
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_specdec.cache import ContiguousKVCache
@@ -56,9 +59,14 @@ SHAPES = {
     # attending every key is the same attention; prompt + answer fill it exactly.
     "sliding-layers": (dict(model_type="mistral", layer_types=["full_attention", "sliding_attention"],
                             sliding_window=64), "auto"),
+    "qwen2": (dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True,
+                   rope_theta=1000000.0), "auto"),
+    "qwen3": (dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True,
+                   rope_theta=1000000.0, head_dim=24, num_attention_heads=4, num_key_value_heads=2), "auto"),
 }
+MODEL_CLASSES = {"llama": llama, "mistral": llama, "qwen2": qwen2, "qwen3": qwen3}  # as mlx-lm maps them
 
-METHODS = ["mlx-lm", "redrafter-lookup", "redrafter-head", "redrafter-draft-model", "triforce-ngram", "apar"]
+METHODS = ["mlx-lm", "auto", "redrafter-lookup", "redrafter-head", "redrafter-draft-model", "triforce-ngram", "apar"]
 
 MAX_TOKENS = 32
 # Repeats itself, so prompt lookup has continuations to offer from the first step.
@@ -91,9 +99,10 @@ def write_checkpoint(path, overrides: dict, seed: int, layers: int = 2, control:
     vocab = config["vocab_size"]
     eos = vocab - 3
     config.update(bos_token_id=1, eos_token_id=eos)
-    known = llama.ModelArgs.__dataclass_fields__
+    module = MODEL_CLASSES[config["model_type"]]
+    known = module.ModelArgs.__dataclass_fields__
     mx.random.seed(seed)
-    model = llama.Model(llama.ModelArgs(**{k: v for k, v in config.items() if k in known}))
+    model = module.Model(module.ModelArgs(**{k: v for k, v in config.items() if k in known}))
     # Random init gives near-uniform logits: scaled embeddings separate the argmax. The head rows of
     # EOS, [Fork] and [Child] are zero (logit 0 below the best of ~100 random ones): never picked.
     embed = np.array(model.model.embed_tokens.weight) * 8
@@ -175,6 +184,9 @@ def test_every_method_writes_ar_s_greedy_answer(shapes, shape, method):
         if s.lm.dtype != "float32" and got != want:
             check_a_log_softmax_tie(s, want, got)
             return
+    elif method == "auto":
+        got, stats = s.run(s.engine, "auto")
+        assert stats.extra["auto"]["chose"] == stats.method in ("ar", "redrafter")
     elif method == "redrafter-lookup":
         got, stats = s.run(s.engine, "redrafter")
         assert "head" not in stats.extra["source_steps"]
@@ -221,8 +233,14 @@ def test_shapes_are_what_they_say(shapes):
         assert lm.model.model.embed_tokens.weight.dtype == getattr(mx, lm.dtype), name
         rope = type(attn.rope).__name__
         assert rope == ("Llama3RoPE" if "rope_scaling" in overrides else "RoPE"), name
+        model_type = overrides.get("model_type", "llama")
+        assert lm.model.model_type == model_type and type(lm.model) is MODEL_CLASSES[model_type].Model, name
+        assert hasattr(attn, "q_norm") == (model_type == "qwen3"), name
+        if model_type == "qwen2":
+            assert all("bias" in getattr(attn, p) for p in ("q_proj", "k_proj", "v_proj")), name
         if "head_dim" in overrides:
-            assert attn.head_dim == overrides["head_dim"] and "bias" in attn.q_proj
+            assert attn.q_proj.weight.shape[0] == heads * overrides["head_dim"], name
+            assert model_type == "qwen3" or "bias" in attn.q_proj, name
     stored = mx.load(str(shapes("bf16-checkpoint").path / "model.safetensors"))
     assert all(v.dtype == mx.bfloat16 for v in stored.values())
 
@@ -257,8 +275,10 @@ def test_sliding_window_layers_cap_the_context_where_full_attention_is_the_same(
         list(s.engine.generate_ids(list(range(3, 67)), "ar", GenerationParams(max_tokens=4)))
 
 
-def test_apar_refuses_a_model_without_control_tokens_in_one_line(tmp_path):
-    path = write_checkpoint(tmp_path / "plain", dict(num_key_value_heads=1), seed=0, control=False)
+@pytest.mark.parametrize("shape", ["llama", "qwen2", "qwen3"])
+def test_apar_refuses_a_model_without_control_tokens_in_one_line(tmp_path, shape):
+    overrides = dict(num_key_value_heads=1) if shape == "llama" else dict(SHAPES[shape][0])
+    path = write_checkpoint(tmp_path / "plain", overrides, seed=0, control=False)
     engine = Engine(load_model(str(path)), drafter=None, apar_adapter=None)
     with pytest.raises(NoControlTokens, match=r"apar needs a model with \[Fork\]/\[Child\] control tokens"):
         list(engine.generate_ids([5, 6, 7], "apar", GenerationParams(max_tokens=4)))

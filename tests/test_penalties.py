@@ -286,7 +286,7 @@ def test_refusals_are_one_line_on_the_cli_and_a_400_on_the_server(tmp_path):
     class LM:
         context_length = 4096
 
-        def encode_chat(self, messages):
+        def encode_chat(self, messages, thinking=None):
             return [1, 2, 3]
 
     body = {"messages": [{"role": "user", "content": "hi"}], "method": "apar", "presence_penalty": 0.4}

@@ -316,3 +316,24 @@ def test_an_event_line_with_the_launcher_s_warning_on_its_end_is_still_read():
     assert event == {"tokens": [19], "job": 0} and "Node with rank 0 exited with code 1" in rest
     assert _event('{"done": true}\n') == ({"done": True}, "")
     assert _event('{"tokens": [1')[0] is None  # torn: not an event
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_qwen_models_run_over_ranks_writing_ar_s_answer(tmp_path, model_type):
+    """Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms): each stage runs the one block with its
+    architecture's switches; every pipeline method's greedy answer is single-process ar's."""
+    import sys
+
+    from qwen_helpers import write_qwen_dir
+
+    path = write_qwen_dir(tmp_path / model_type, model_type, seed=8)
+    cli = [sys.executable, "-m", "mlx_specdec.cli"]
+    base = ["generate", "-m", str(path), "-p", "Why is the sky blue? Why is the sky blue?", "--max-tokens", "12",
+            "--temp", "0"]
+    want = subprocess.run(cli + base, capture_output=True, text=True, timeout=120)
+    assert want.returncode == 0 and want.stdout.strip(), want.stderr
+    for method in ("pp-ar", "pipeinfer"):
+        got = subprocess.run(cli + base + ["--method", method, "--ranks", "2"], capture_output=True, text=True,
+                             timeout=120)
+        assert got.returncode == 0, got.stderr
+        assert got.stdout == want.stdout, method

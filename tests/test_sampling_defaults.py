@@ -76,7 +76,7 @@ def test_the_server_reports_the_sampling_in_force():
     class LM:
         context_length = 4096
 
-        def encode_chat(self, messages):
+        def encode_chat(self, messages, thinking=None):
             return [1, 2, 3]
 
     body = {"messages": [{"role": "user", "content": "hi"}], "top_p": 0.5}

@@ -53,7 +53,7 @@ def server_options(method, body):
     class LM:
         context_length = 4096
 
-        def encode_chat(self, messages):
+        def encode_chat(self, messages, thinking=None):
             return [1, 2, 3]
 
     request = parse({"messages": [{"role": "user", "content": "hi"}], "method": method, **body}, LM(), "m",
@@ -111,16 +111,20 @@ def test_a_new_sampling_field_is_in_the_batch_key_without_being_named():
     """Every GenerationParams field but the per-row ones must match for requests to share a batch."""
     import dataclasses
 
+    from mlx_specdec.settings import PER_ROW
+
     base = GenerationParams(temperature=0.7)
     for f in dataclasses.fields(GenerationParams):
-        if f.name in ("max_tokens", "stop", "options"):
+        if f.name in PER_ROW:
             continue
         other = {"temperature": 0.9, "top_p": 0.5, "seed": 3, "prefill_chunk": 7, "frequency_penalty": 0.5,
                  "presence_penalty": -0.5, "repetition_penalty": 1.2, "repetition_context_size": 7}.get(f.name)
         assert other is not None, f"give the test a second value for the new field {f.name}"
         assert batch_key("redrafter", base) != batch_key("redrafter", dataclasses.replace(base, **{f.name: other}))
-    # rows keep their own length and stop strings
-    assert batch_key("redrafter", base) == batch_key("redrafter", dataclasses.replace(base, max_tokens=3, stop=("x",)))
+    # rows keep their own length, stop strings and thinking switch (it shapes the prompt only)
+    assert set(PER_ROW) == {"max_tokens", "stop", "options", "thinking"}
+    assert batch_key("redrafter", base) == batch_key("redrafter", dataclasses.replace(base, max_tokens=3, stop=("x",),
+                                                                                     thinking=False))
 
 
 def test_sampling_fields_share_one_parser():
@@ -129,7 +133,7 @@ def test_sampling_fields_share_one_parser():
     for s in SAMPLING:
         assert s.name in all_settings() or s.name in ("max_tokens", "temperature", "top_p", "seed", "frequency_penalty",
                                                       "presence_penalty", "repetition_penalty",
-                                                      "repetition_context_size")
+                                                      "repetition_context_size", "thinking")
     with pytest.raises(UserError, match="--temp takes a number from 0 to 2"):
         from mlx_specdec.cli.args import _params
 

@@ -69,7 +69,7 @@ class FakeLM:
     def describe(self) -> str:
         return f"{self.name} ({self.dtype}, fake)"
 
-    def encode_chat(self, messages: List[dict]) -> List[int]:
+    def encode_chat(self, messages: List[dict], thinking: Optional[bool] = None) -> List[int]:
         """A chat template: each message between a role marker and an end marker, then the
         assistant's marker (the generation prompt)."""
         tok = self.tokenizer

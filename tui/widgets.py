@@ -14,6 +14,7 @@ from mlx_specdec.decoding.redrafter import DEFAULT_BEAM_LENGTH, DEFAULT_BEAM_WID
 
 from .growing import GrowingText, KeptLines, update_sized
 from .stream import StreamState, ThreadView
+from .thought import apart, split_segments
 
 #: how text that came from accepted drafts is shown: the theme's success colour, underlined (an
 #: underline reads on light and dark themes and without colour)
@@ -67,7 +68,8 @@ STATUS_NOTES = {"stopped": "stopped (Esc)", "interrupted": "interrupted: the app
 
 class MessageView(Static):
     """One message. A streamed assistant message grows by appending: the content of its complete
-    segments is kept, and each update adds what came after them."""
+    segments is kept, and each update adds what came after them. A thinking model's thought is
+    drawn apart, folded under the head (thought.py); a click opens or folds it."""
 
     DEFAULT_CSS = """
     MessageView { height: auto; margin: 0 0 1 0; }
@@ -92,6 +94,8 @@ class MessageView(Static):
         self._kept_content: Optional[Content] = None
         self._lines = KeptLines()  # the wrapped complete lines of a streamed message
         self.shown: Content = Content("")  # what the view draws
+        self.thought_open = False  # the thought (if any) shown whole rather than folded
+        self._thought_key: Optional[tuple] = None  # the thought drawn in the kept content
 
     def on_mount(self) -> None:
         self.refresh_content()
@@ -131,8 +135,11 @@ class MessageView(Static):
         if self.role == "user" and self.document:
             return Content.assemble(self._head(), "\n", str(self.document.get("question", "")))
         segments, kept = self.segments, len(self._kept)
-        if self._kept_content is None or segments[:kept] != self._kept:
-            self._kept, self._kept_content, kept = [], Content.assemble(self._head(), "\n"), 0
+        key, thought, segments = apart(segments, self.thought_open, self.role == "assistant",
+                                       self.content_region.width or 80)
+        if self._kept_content is None or segments[:kept] != self._kept or key != self._thought_key:
+            self._kept, kept, self._thought_key = [], 0, key
+            self._kept_content = Content.assemble(self._head(), "\n") + thought
             self._lines.reset()
         complete = len(segments) - 1
         if complete > kept:
@@ -140,6 +147,11 @@ class MessageView(Static):
             self._kept = self._kept + [list(s) for s in segments[kept:complete]]
             kept = complete
         return self._kept_content + segments_content(segments[kept:])
+
+    def on_click(self) -> None:
+        if self.role == "assistant" and split_segments(self.segments) is not None:
+            self.thought_open = not self.thought_open
+            self.refresh_content()
 
     def refresh_content(self) -> bool:
         """Draw the message; True when its height changed (a layout pass was asked for)."""

@@ -39,6 +39,7 @@ def make_params(settings: dict, method: str):
     names = {s.name for s in METHODS[method].settings} if method in METHODS else set()
     options = resolve(method, {k: v for k, v in settings.items() if k in names and v is not None})
     sampling = {s.name: settings.get(s.name, DEFAULT_SETTINGS[s.name]) for s in SAMPLING}
+    sampling.update({s.name: s.parse(sampling[s.name]) for s in SAMPLING if s.values and sampling[s.name] is not None})
     return GenerationParams(**{k: v for k, v in sampling.items() if v is not None}, options=options)
 
 

@@ -124,8 +124,9 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256, method
         shown = "none" if default is None else default
         if s.name in FIELDS:
             shown = f"the model's generation_config.json, else {MEASURED.get(s.name, s.default)}"
-        p.add_argument(*s.cli_flags, type=int if s.kind == "int" else float, default=default,
-                       help=f"{s.help} ({s.bounds()}; default: {shown})")
+        kind = {"int": int, "float": float}.get(s.kind, str)  # a choice: the registry parses its text
+        shown = "the template's" if s.name == "thinking" else shown
+        p.add_argument(*s.cli_flags, type=kind, default=default, help=f"{s.help} ({s.bounds()}; default: {shown})")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 

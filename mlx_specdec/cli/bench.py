@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..synthetic_shapes import add_synthetic_args
-from .args import METHODS_HELP, _add_method_args, _add_model_args, _comma_list, load_engine, method_grids
+from .args import METHODS_HELP, _add_method_args, _add_model_args, _comma_list, _parse, load_engine, method_grids
 from .pipeline import PIPELINE_METHODS, add_pipeline_args
 
 
@@ -41,6 +41,8 @@ def add_parser(sub) -> None:
     p.add_argument("--temp", type=float, default=0.0, help="temperature (default: greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold when sampling (default: 1.0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    thinking = _thinking_setting()
+    p.add_argument("--thinking", default=None, help=f"{thinking.help} ({thinking.bounds()})")
     p.add_argument("--format", default="md", help="md, json or csv (default: md)")
     p.add_argument("--output", "-o", default=None, help="write the report here (default: stdout)")
     p.add_argument("--plot", default=None, metavar="PATH.png",
@@ -59,7 +61,6 @@ def cmd_bench(args) -> int:
 
         return cmd_synthetic(args)
     from ..bench import expand_configs, run_bench
-    from ..decoding import GenerationParams
 
     if args.format not in FORMATS:  # before any model loads or rank starts
         raise UserError(f"unknown format {args.format!r} (choose md, json or csv)")
@@ -82,14 +83,13 @@ def cmd_bench(args) -> int:
     if costs is not None and costs.source.startswith("shipped"):
         print("note: redrafter judges its drafts by the verify costs shipped for a 2-core x86 VM; "
               "`mlx-specdec calibrate` (about a minute) measures this machine's", file=sys.stderr)
-    params = GenerationParams(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed)
+    params = _params(args)
     return _report(args, run_bench(engine, prompts, configs, params, repeats=args.repeats))
 
 
 def _bench_pipeline(args, methods) -> int:
     """pp-ar, pp-spec, pipeinfer over ranks, against ar in this process (bench_pipeline.py)."""
     from ..bench_pipeline import run_pipeline_bench
-    from ..decoding import GenerationParams
 
     other = [m for m in methods if m not in PIPELINE_METHODS + ("ar",)]
     if other:
@@ -98,8 +98,23 @@ def _bench_pipeline(args, methods) -> int:
         args.ranks = 2
     prompts = _prompts(args)
     engine = load_engine(args)
-    params = GenerationParams(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed)
+    params = _params(args)
     return _report(args, run_pipeline_bench(args, engine, prompts, methods, params, repeats=args.repeats))
+
+
+def _thinking_setting():
+    from ..settings import SAMPLING
+
+    return next(s for s in SAMPLING if s.name == "thinking")
+
+
+def _params(args):
+    """The bench's sampling (greedy unless asked) and the template's thinking switch."""
+    from ..decoding import GenerationParams
+
+    thinking = None if args.thinking is None else _parse(_thinking_setting(), args.thinking)
+    return GenerationParams(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed,
+                            thinking=thinking)
 
 
 def _prompts(args):

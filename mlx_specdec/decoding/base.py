@@ -40,6 +40,9 @@ class GenerationParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     repetition_context_size: int = 20  # the tokens the repetition penalty looks back over
+    # the chat template's thinking switch (Qwen3's enable_thinking); None: the template's default.
+    # It shapes the prompt only (`Engine.generate`, `Engine.chat`, the server's encoding).
+    thinking: Optional[bool] = None
 
     @property
     def greedy(self) -> bool:

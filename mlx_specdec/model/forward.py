@@ -1,5 +1,9 @@
 """One forward pass over an mlx-lm Llama-family model, with explicit positions and masks.
 
+One block serves Llama, Mistral, Qwen2 and Qwen3: their differences are switches declared in
+architectures.py (`head_projections` applies Qwen3's per-head q/k norms; biases and tied
+embeddings are mlx-lm's own modules and config).
+
 mlx-lm's Llama attention rotates queries and keys by a scalar `cache.offset`, which cannot
 verify a token tree: two tokens at the same depth of different branches need the same position.
 `forward` walks the model's own modules (so float16/bfloat16/float32 and mlx-lm's quantized
@@ -21,6 +25,7 @@ from typing import Any, Literal, Optional, Union
 import mlx.core as mx
 import mlx.nn as nn
 
+from .architectures import of_layer
 from .attention import Mask, attention_over_cache, bucket_mask, verify_key_bucket, widen_tail_mask
 from .device import on_cpu
 from .rope_table import rotate, shared_rope, tables, tables_at
@@ -81,14 +86,25 @@ def _per_token(rotate, x: mx.array, positions: mx.array) -> mx.array:
     return rotated.reshape(B, L, H, D).transpose(0, 2, 1, 3)  # (B, H, L, D)
 
 
+def head_projections(attn: nn.Module, x: mx.array, qk_norm: bool):
+    """(B, L, D) normed input -> queries (B, Hq, L, Dh), keys and values (B, Hkv, L, Dh), before
+    RoPE. qk_norm (architectures.py: Qwen3): each head's query and key through the attention's
+    `q_norm` / `k_norm` first, in mlx-lm's order (normed over Dh, then moved to heads first)."""
+    B, L, _ = x.shape
+    queries = attn.q_proj(x).reshape(B, L, attn.n_heads, -1)  # (B, L, Hq, Dh)
+    keys = attn.k_proj(x).reshape(B, L, attn.n_kv_heads, -1)  # (B, L, Hkv, Dh)
+    if qk_norm:
+        queries, keys = attn.q_norm(queries), attn.k_norm(keys)
+    values = attn.v_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    return queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3), values
+
+
 def attention(attn: nn.Module, x: mx.array, positions: Optional[mx.array], cache: Any, mask: Mask,
-              key_bucket: Optional[int] = None):
+              key_bucket: Optional[int] = None, qk_norm: bool = False):
     """key_bucket: on CUDA, the key count a verify attends (`attention.verify_key_bucket`): a cache
     reads its buffer that far (`fetch_to`), the mask hiding what lies past the tokens."""
     B, L, _ = x.shape
-    queries = attn.q_proj(x).reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)  # (B, Hq, L, Dh)
-    keys = attn.k_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)  # (B, Hkv, L, Dh)
-    values = attn.v_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    queries, keys, values = head_projections(attn, x, qk_norm)
 
     if positions is None:
         offset = cache.offset if cache is not None else 0
@@ -148,7 +164,8 @@ class RopeTables:
 
 def _plain_block(layer: nn.Module, x: mx.array, positions, cache, mask, key_bucket=None, rope_tables=None) -> mx.array:
     """The block op by op (rope_tables unused: each layer's RoPE module rotates its own)."""
-    h = x + attention(layer.self_attn, layer.input_layernorm(x), positions, cache, mask, key_bucket)
+    h = x + attention(layer.self_attn, layer.input_layernorm(x), positions, cache, mask, key_bucket,
+                      of_layer(layer).qk_norm)
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
@@ -244,14 +261,10 @@ def _block_functions(layer: nn.Module):
     """The block's ops before the cache's attention (three ways to rotate) and after it, plain
     functions of the layer: (projections, before, before_at, before_rotated, after)."""
     attn = layer.self_attn
+    qk_norm = of_layer(layer).qk_norm
 
     def projections(x):  # (B, L, D) -> queries (B, Hq, L, Dh), keys and values (B, Hkv, L, Dh)
-        B, L, _ = x.shape
-        h = layer.input_layernorm(x)
-        queries = attn.q_proj(h).reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
-        keys = attn.k_proj(h).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        values = attn.v_proj(h).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        return queries, keys, values
+        return head_projections(attn, layer.input_layernorm(x), qk_norm)
 
     def before(x, start):  # contiguous positions from `start`
         queries, keys, values = projections(x)

@@ -1,11 +1,13 @@
-"""Convert a Llama-family GGUF file into an MLX model directory that mlx-lm loads.
+"""Convert a Llama, Qwen2 or Qwen3 GGUF file into an MLX model directory that mlx-lm loads.
 
 `mx.load(path, return_metadata=True)` already returns Q4_0/Q4_1/Q8_0 tensors as MLX affine
 quantized triples (uint32 weight + scales + biases, group 32), so conversion is renaming,
 a config from the metadata, and a tokenizer rebuilt from the metadata's vocabulary and merges.
 
-GGUF stores q/k projections in Meta's interleaved-rotary row order, hence
-`"rope_traditional": true` (mathematically the same model; no row permutation needed).
+GGUF stores a Llama's q/k projections in Meta's interleaved-rotary row order, hence
+`"rope_traditional": true` (mathematically the same model; no row permutation needed); llama.cpp
+leaves Qwen's rows as Hugging Face has them (NeoX RoPE). Qwen2's q/k/v biases and Qwen3's
+`attn_q_norm` / `attn_k_norm` map to mlx-lm's names; a `qwen2` pre-tokenizer gets Qwen2's split regex.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
@@ -130,35 +134,45 @@ def hf_name(gguf_name: str) -> str:
     raise UnsupportedModel(f"unknown GGUF tensor {gguf_name!r}: not a Llama-family model")
 
 
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# Qwen2's pre-tokenizer split (its tokenizer.json's), before byte-level BPE
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
+
+
 def config_from_metadata(meta: dict) -> dict:
     arch = _scalar(meta.get("general.architecture", ""))
-    if arch != "llama":
-        raise UnsupportedModel(f"GGUF architecture {arch!r} is not supported (Llama family only)")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModel(f"GGUF architecture {arch!r} is not supported (the converter reads "
+                               f"{', '.join(GGUF_ARCHITECTURES)})")
 
     def get(key, default=None):
-        value = meta.get(f"llama.{key}")
+        value = meta.get(f"{arch}.{key}")
         return default if value is None else _scalar(value)
 
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
     vocab = get("vocab_size") or len(meta["tokenizer.ggml.tokens"])
-    return {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+    config = {
+        "model_type": arch,
+        "architectures": [GGUF_ARCHITECTURES[arch]],
         "hidden_size": hidden,
         "num_hidden_layers": int(get("block_count")),
         "intermediate_size": int(get("feed_forward_length")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-        "head_dim": int(get("rope.dimension_count", hidden // heads)),
+        "head_dim": int(get("attention.key_length", get("rope.dimension_count", hidden // heads))),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "rope_traditional": True,
+        "rope_traditional": arch == "llama",
         "max_position_embeddings": int(get("context_length", 2048)),
         "vocab_size": int(vocab),
         "bos_token_id": int(_scalar(meta.get("tokenizer.ggml.bos_token_id", 1))),
         "eos_token_id": int(_scalar(meta.get("tokenizer.ggml.eos_token_id", 2))),
     }
+    if arch == "qwen3":
+        config["attention_bias"] = False
+    return config
 
 
 def build_tokenizer(meta: dict):
@@ -172,18 +186,30 @@ def build_tokenizer(meta: dict):
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    # SmolLM2 ("smollm" pre-tokenizer) splits digits one by one, then GPT-2 byte-level regex.
-    split_digits = _scalar(meta.get("tokenizer.ggml.pre", "")) in ("smollm", "starcoder")
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.pre_tokenizer = (
-        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-        if split_digits
-        else byte_level
-    )
+    # SmolLM2 ("smollm" pre-tokenizer) splits digits one by one, then GPT-2 byte-level regex;
+    # Qwen2/Qwen3 ("qwen2") split by their own regex, NFC-normalized.
+    pre = _scalar(meta.get("tokenizer.ggml.pre", ""))
+    split_digits = pre in ("smollm", "starcoder")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre != "qwen2")
+    if pre == "qwen2":
+        from tokenizers import Regex, normalizers
+
+        tokenizer.normalizer = normalizers.NFC()
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"), byte_level])
+    else:
+        tokenizer.pre_tokenizer = (
+            pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+            if split_digits
+            else byte_level
+        )
     tokenizer.decoder = decoders.ByteLevel()
     types = np.array(meta["tokenizer.ggml.token_type"]) if "tokenizer.ggml.token_type" in meta else []
     specials = [tokens[i] for i, t in enumerate(types) if int(t) == 3]
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    # user-defined tokens (type 4: Qwen3's <think>, </think>) stay whole but decode as text
+    defined = [tokens[i] for i, t in enumerate(types) if int(t) == 4]
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in defined])
     return tokenizer, tokens
 
 

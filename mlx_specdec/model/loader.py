@@ -1,4 +1,4 @@
-"""Find, validate and load a Llama-family model.
+"""Find, validate and load a model of the architectures the forward runs (architectures.py).
 
 A model spec is one of:
 - `default` / `default-4bit` / `default-f16`: the embedded SmolLM2-135M-Instruct (see `default`);
@@ -29,11 +29,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import CorruptModel, ModelNotFound, UnsupportedModel
+from .architectures import architecture, check_modules
 from .cpu_layout import apply_cpu_layout
 from .default import ensure_default_model, home
 from .device import on_cpu
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 
 # FastChat's Vicuna v1.1 conversation template, for Llama checkpoints whose tokenizer has none.
 VICUNA_TEMPLATE = (
@@ -88,15 +87,18 @@ class LoadedModel:
     def num_layers(self) -> int:
         return len(self.model.model.layers)
 
-    def encode_chat(self, messages: List[dict]) -> List[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        if isinstance(ids, dict):  # some transformers versions return a BatchEncoding
+    def encode_chat(self, messages: List[dict], thinking: Optional[bool] = None) -> List[int]:
+        """thinking: the chat template's `enable_thinking` (Qwen3's switch; a template without
+        one ignores it); None leaves it to the template's own default."""
+        extra = {} if thinking is None else {"enable_thinking": bool(thinking)}
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
+        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
 
-    def encode_prompt(self, prompt: str, chat: bool = True) -> List[int]:
+    def encode_prompt(self, prompt: str, chat: bool = True, thinking: Optional[bool] = None) -> List[int]:
         if chat:
-            return self.encode_chat([{"role": "user", "content": prompt}])
+            return self.encode_chat([{"role": "user", "content": prompt}], thinking=thinking)
         return list(self.tokenizer.encode(prompt))
 
     def describe(self) -> str:
@@ -214,12 +216,9 @@ def read_config(path: Path) -> dict:
         config = json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CorruptModel(f"{config_file} is not valid JSON: {exc}") from None
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModel(
-            f"model_type {model_type!r} is not supported; mlx-specdec runs Llama-family models "
-            f"({', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
+    if not isinstance(config, dict):
+        raise CorruptModel(f"{config_file} is not a JSON object")
+    architecture(config.get("model_type"))  # UnsupportedModel naming the supported ones
     return config
 
 
@@ -302,6 +301,7 @@ def load_model(spec: Optional[str] = "default", dtype: str = "auto", dequantize:
         model, tokenizer = mlx_lm_load(str(path))
     except Exception as exc:
         raise CorruptModel(f"cannot load the model in {path}: {str(exc).splitlines()[0]}") from None
+    check_modules(model, config)
 
     quant = config.get("quantization") or {}
     bits = quant.get("bits")

@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import UserError
+from ..reasoning import ThoughtSplitter, split_thought
 from ..sampling_defaults import in_force
 from .requests import MAX_BODY_BYTES, ApiError, parse
 from .worker import DONE, GenerationWorker, Job
@@ -145,6 +146,9 @@ def create_app(worker: GenerationWorker, method: str = "ar", api_key: Optional[s
         content = "".join(text)
         choice = {"index": 0, "finish_reason": _finish(stats, job), "logprobs": None}
         choice.update({"message": {"role": "assistant", "content": content}} if chat else {"text": content})
+        if req.separate_reasoning:  # the thought apart: content is the answer alone
+            thought, answer = split_thought(content, req.opens_thought)
+            choice["message"].update(content=answer, reasoning_content=thought)
         body = {"id": ident, "object": kind, "created": created, "model": model_id, "choices": [choice],
                 "usage": _usage(len(req.prompt_ids), stats), "sampling": in_force(req.params)}
         if stats is not None:
@@ -194,9 +198,10 @@ def _as_api_error(exc: Exception) -> ApiError:
 async def _stream(request: HttpRequest, job: Job, req, ident: str, created: int, kind: str, chat: bool, model_id: str):
     """Server-sent events: one chunk per text delta, a last chunk with the finish reason, the usage
     (with stream_options.include_usage), then [DONE]. A client gone at a chunk cancels the job."""
-    def chunk(delta: Optional[str], finish: Optional[str] = None, extra: Optional[dict] = None) -> str:
+    def chunk(delta: Optional[str], finish: Optional[str] = None, extra: Optional[dict] = None,
+              field: str = "content") -> str:
         if chat:
-            choice = {"index": 0, "delta": {} if delta is None else {"content": delta}, "finish_reason": finish}
+            choice = {"index": 0, "delta": {} if delta is None else {field: delta}, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": delta or "", "finish_reason": finish}
         body = {"id": ident, "object": kind + ".chunk" if chat else kind, "created": created, "model": model_id,
@@ -205,6 +210,18 @@ async def _stream(request: HttpRequest, job: Job, req, ident: str, created: int,
         return f"data: {json.dumps(body)}\n\n"
 
     stats = None
+    splitter = ThoughtSplitter(req.opens_thought) if req.separate_reasoning else None
+
+    def deltas(text: str, end: bool = False):
+        """A text delta as chunks: the thought's as reasoning_content, the answer's as content."""
+        if splitter is None:
+            if text:
+                yield chunk(text)
+            return
+        for field, part in zip(("reasoning_content", "content"), splitter.flush() if end else splitter.feed(text)):
+            if part:
+                yield chunk(part, field=field)
+
     try:
         if chat:
             yield f"data: {json.dumps({'id': ident, 'object': kind + '.chunk', 'created': created, 'model': model_id, 'choices': [{'index': 0, 'delta': {'role': 'assistant', 'content': ''}, 'finish_reason': None}]})}\n\n"
@@ -216,12 +233,15 @@ async def _stream(request: HttpRequest, job: Job, req, ident: str, created: int,
                 yield f"data: {json.dumps(_as_api_error(item).body())}\n\n"
                 break
             if item.kind == "token" and item.thread_id == 0 and item.text:
-                yield chunk(item.text)
+                for line in deltas(item.text):
+                    yield line
             elif item.kind == "done":
                 stats = item.stats
             if await request.is_disconnected():
                 job.cancelled.set()
                 return
+        for line in deltas("", end=True):
+            yield line
         last = {"sampling": in_force(req.params)}
         if stats is not None:
             last["speculation"] = _speculation(stats)

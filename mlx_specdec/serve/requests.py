@@ -10,6 +10,9 @@ takes the model's default (sampling_defaults.py). Extensions: repetition_penalty
 repetition_context_size (mlx-lm's), `method` (ar, redrafter, apar, triforce, ...)
 and that method's settings by their names (beam_width, budget, ...), parsed and bounded by the
 method registry (settings.py), as the CLI parses its flags: a bad value is a 400 naming the field.
+Thinking models (Qwen3): `thinking` (on/off, or a boolean) or vLLM's and SGLang's
+`chat_template_kwargs: {"enable_thinking": false}` sets the template's switch; `separate_reasoning`
+(SGLang's name; default false) returns the thought as `reasoning_content` and `content` the answer alone.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ class Request:
     params: GenerationParams
     stream: bool
     include_usage: bool
+    separate_reasoning: bool = False  # the thought as reasoning_content, content the answer alone
+    opens_thought: bool = False  # the prompt leaves a <think> open: the answer starts in the thought
 
 
 def _sampling(body: dict, name: str, field: Optional[str] = None):
@@ -57,6 +62,29 @@ def _sampling(body: dict, name: str, field: Optional[str] = None):
         return setting.parse(value, json=True)
     except SettingError as error:
         raise ApiError(400, f"'{field}' {error.detail}", field) from None
+
+
+def _thinking(body: dict, given: Optional[bool]) -> Optional[bool]:
+    """The template's thinking switch: `thinking`, or chat_template_kwargs.enable_thinking (vLLM's
+    and SGLang's field; the only template argument taken); the two must agree where both are given."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return given
+    if not isinstance(kwargs, dict):
+        raise ApiError(400, "'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    other = sorted(k for k in kwargs if k != "enable_thinking")
+    if other:
+        raise ApiError(400, f"'chat_template_kwargs' takes enable_thinking only, not {other[0]!r}",
+                       "chat_template_kwargs")
+    value = kwargs.get("enable_thinking")
+    if value is None:
+        return given
+    if not isinstance(value, bool):
+        raise ApiError(400, "'chat_template_kwargs.enable_thinking' must be a boolean",
+                       "chat_template_kwargs.enable_thinking")
+    if given is not None and given != value:
+        raise ApiError(400, "'thinking' and 'chat_template_kwargs.enable_thinking' disagree", "thinking")
+    return value
 
 
 def _messages(body: dict) -> List[Dict[str, str]]:
@@ -113,8 +141,12 @@ def parse(body, lm, model_id: str, methods: List[str], default_method: str, chat
         options = resolve(method, {k: v for k, v in body.items() if k in known}, json=True)
     except SettingError as error:
         raise ApiError(400, f"'{error.name}' {error.detail}", error.name) from None
+    sampling["thinking"] = _thinking(body, sampling["thinking"]) if chat else None
+    separate = body.get("separate_reasoning", False)
+    if not isinstance(separate, bool):
+        raise ApiError(400, "'separate_reasoning' must be a boolean", "separate_reasoning")
     if chat:
-        ids = lm.encode_chat(_messages(body))
+        ids = lm.encode_chat(_messages(body), thinking=sampling["thinking"])
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -141,4 +173,9 @@ def parse(body, lm, model_id: str, methods: List[str], default_method: str, chat
     include_usage = (stream_options or {}).get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise ApiError(400, "'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
-    return Request(ids, method, params, stream, include_usage)
+    opens = False
+    if chat and separate:
+        from ..reasoning import prompt_opens_thought
+
+        opens = prompt_opens_thought(lm.tokenizer, ids)
+    return Request(ids, method, params, stream, include_usage, separate and chat, opens)
